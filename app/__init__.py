@@ -1,0 +1,3 @@
+"""Reprise: chat with local language models on MLX."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""`reprise bench`: the measured claims, printed as ratios measured side by side in one run."""

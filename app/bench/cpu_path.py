@@ -1,0 +1,96 @@
+"""`reprise bench cpu`: the engine's compute path against plain mlx-lm.
+
+Both run the same model folder on the same prompt tokens, in one invocation:
+plain mlx-lm (`mlx_lm.load` + `stream_generate`) in a child process that has
+nothing of Reprise in it, then the engine in this process. Figures are tokens
+per second, and the ratio engine / plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from app.engine import loading, models
+from app.engine.chat import ChatSession
+from app.engine.generation import SamplingSettings, TurnFinished
+from sessions import paths
+
+TEXT = Path(__file__).resolve().parents[2] / "resources" / "text" / "ordinary-english.txt"
+DECODE_TOKENS = 32
+
+
+def prompt_tokens(tokenizer, count: int) -> list[int]:
+    """`count` tokens of ordinary English, repeating the text if needed."""
+    ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    while len(ids) < count:
+        ids = ids + ids
+    return ids[:count]
+
+
+def measure_plain(model_dir: Path, prompt: list[int]) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompt, f)
+    script = Path(__file__).with_name("plain_mlx_lm.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(model_dir), f.name, str(DECODE_TOKENS)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    Path(f.name).unlink(missing_ok=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"plain mlx-lm run failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_engine(loaded: loading.LoadedModel, prompt: list[int]) -> dict:
+    session = ChatSession(loaded)
+    list(session.generate(prompt[:16], sampling=SamplingSettings.greedy(2)))  # warm-up
+    session.reset()
+    finished = None
+    for event in session.generate(prompt, sampling=SamplingSettings.greedy(DECODE_TOKENS)):
+        if isinstance(event, TurnFinished):
+            finished = event
+    stats = finished.stats
+    return {
+        "prefill_tps": stats.prefill_tps,
+        "decode_tps": stats.decode_tps,
+        "prompt_tokens": stats.prefilled_tokens,
+        "generated_tokens": stats.generated_tokens,
+    }
+
+
+def run(model: str | None, count: int) -> dict:
+    model_dir = models.resolve(model, paths.models_dir())
+    loaded = loading.load(model_dir)
+    prompt = prompt_tokens(loaded.tokenizer, count)
+    plain = measure_plain(model_dir, prompt)
+    engine = measure_engine(loaded, prompt)
+    return {
+        "model": model_dir.name,
+        "compute": loaded.compute.describe(),
+        "plain_mlx_lm": plain,
+        "engine": engine,
+        "prefill_ratio": engine["prefill_tps"] / plain["prefill_tps"],
+        "decode_ratio": engine["decode_tps"] / plain["decode_tps"],
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args.model, args.prompt_tokens)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    plain, engine = result["plain_mlx_lm"], result["engine"]
+    print(f"model: {result['model']}   engine path: {result['compute']}")
+    print(f"{'':16}{'prefill tok/s':>15}{'decode tok/s':>15}")
+    print(f"{'plain mlx-lm':16}{plain['prefill_tps']:15.1f}{plain['decode_tps']:15.1f}")
+    print(f"{'reprise engine':16}{engine['prefill_tps']:15.1f}{engine['decode_tps']:15.1f}")
+    print(f"{'ratio':16}{result['prefill_ratio']:14.1f}x{result['decode_ratio']:14.1f}x")
+    print(f"({engine['prompt_tokens']} prompt tokens, up to {DECODE_TOKENS} generated)")
+    return 0

@@ -1,0 +1,145 @@
+"""`reprise`: the GUI with no arguments; subcommands for the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from app import __version__
+
+
+def _add_generation_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model name in the library, or a model folder")
+    parser.add_argument("--system", help="system prompt")
+    parser.add_argument("--temp", type=float, default=0.7, help="temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 6, 8], help="quantize the KV cache")
+    parser.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
+    parser.add_argument("--quantized-kv-start", type=int, default=0,
+                        help="quantize the KV cache once it holds this many tokens")
+    parser.add_argument("--json", action="store_true", help="one JSON object per turn")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reprise", description="Chat with local models on MLX.")
+    parser.add_argument("--version", action="version", version=f"reprise {__version__}")
+    commands = parser.add_subparsers(dest="command")
+
+    chat = commands.add_parser("chat", help="chat in the terminal")
+    chat.add_argument("message", nargs="?", help="send one message and print the reply")
+    _add_generation_options(chat)
+
+    models = commands.add_parser("models", help="list and import models")
+    model_commands = models.add_subparsers(dest="models_command", required=True)
+    listing = model_commands.add_parser("list", help="installed models")
+    listing.add_argument("--json", action="store_true")
+    gguf = model_commands.add_parser("import-gguf", help="import a llama-family GGUF file")
+    gguf.add_argument("path", type=Path)
+    gguf.add_argument("--name", help="model name (default: the file name)")
+    gguf.add_argument("--if-missing", action="store_true",
+                      help="do nothing if a model of that name is installed")
+    delete = model_commands.add_parser("delete", help="delete an installed model")
+    delete.add_argument("name")
+
+    bench = commands.add_parser("bench", help="measure the engine")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    cpu = bench_commands.add_parser("cpu", help="engine vs plain mlx-lm, prefill and decode")
+    cpu.add_argument("--model", help="model name or folder (default: the starter model)")
+    cpu.add_argument("--prompt-tokens", type=int, default=512)
+    cpu.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from app.engine.errors import UserError
+
+    try:
+        if args.command is None or args.command == "chat":
+            return _chat(args)
+        if args.command == "models":
+            return _models(args)
+        if args.command == "bench":
+            return _bench(args)
+    except UserError as exc:
+        print(f"reprise: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+def _chat(args: argparse.Namespace) -> int:
+    if args.command is None:  # the GUI comes with the desktop-app issue; chat meanwhile
+        args = build_parser().parse_args(["chat"])
+    from app.engine import loading, models
+    from app.engine.chat import ChatSession
+    from app.engine.generation import KVSettings, SamplingSettings
+    from app.terminal_chat import ChatOptions, chat
+    from sessions import paths
+
+    path = models.resolve(args.model, paths.models_dir())
+    session = ChatSession(loading.load(path))
+    options = ChatOptions(
+        system=args.system,
+        sampling=SamplingSettings(
+            temperature=args.temp,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        ),
+        kv=KVSettings(args.kv_bits, args.kv_group_size, args.quantized_kv_start),
+        as_json=args.json,
+    )
+    return chat(session, args.message, options)
+
+
+def _models(args: argparse.Namespace) -> int:
+    from app.engine import models
+    from sessions import paths
+
+    models_dir = paths.models_dir()
+    if args.models_command == "list":
+        found = models.list_models(models_dir)
+        if args.json:
+            print(json.dumps([m.to_dict() for m in found], indent=2))
+        elif not found:
+            print(f"No models in {models_dir}")
+        for m in [] if args.json else found:
+            print(f"{m.name:40} {m.size_bytes / 1e6:8.1f} MB  {m.architecture:8} {m.quantization}")
+        return 0
+    if args.models_command == "import-gguf":
+        from app.engine.gguf_import import import_gguf
+
+        name = args.name or args.path.stem
+        if args.if_missing and models.read_info(models_dir / name):
+            print(f"{name} is already installed")
+            return 0
+
+        def progress(stage: str, done: int, total: int) -> None:
+            print(f"[{done}/{total}] {stage}", file=sys.stderr)
+
+        imported = import_gguf(args.path, models_dir, name, progress)
+        print(f"Imported {imported.name} into {imported.path}")
+        return 0
+    if args.models_command == "delete":
+        models.delete(args.name, models_dir)
+        print(f"Deleted {args.name}")
+        return 0
+    return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from app.bench import cpu_path
+
+    return cpu_path.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Import a llama-family GGUF file into an MLX model folder.
+
+`mx.load` reads GGUF directly: Q4_0/Q4_1/Q8_0 tensors arrive as MLX affine
+quantized weights (weight, scales, biases, group size 32), everything else as
+float arrays. What this module adds:
+
+- tensor names mapped to mlx-lm's llama layout;
+- `rope_traditional: true`, because llama.cpp's converter permutes the Q and K
+  projections for its interleaved rotary layout, which is MLX's "traditional"
+  rope (so the weights need no un-permuting);
+- a Hugging Face `tokenizer.json` rebuilt from the GGUF vocabulary and merges
+  (byte-level BPE), plus the chat template from `tokenizer.chat_template`.
+
+The folder is assembled under a hidden temporary name and renamed into place
+only when complete, so a failed import leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from app.engine.errors import UserError
+
+# GGUF tensor name -> mlx-lm llama parameter name.
+_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_PER_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
+_TOP_NAME = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
+
+# Pre-tokenizer splitting rules, by GGUF `tokenizer.ggml.pre`. These are the
+# regular expressions the original Hugging Face tokenizers use.
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZERS = {
+    # name: (split digits one by one first, splitting regex)
+    "default": (False, _GPT2_SPLIT),
+    "gpt2": (False, _GPT2_SPLIT),
+    "smollm": (True, _GPT2_SPLIT),
+    "starcoder": (True, _GPT2_SPLIT),
+    "refact": (True, _GPT2_SPLIT),
+    "llama-bpe": (False, _LLAMA3_SPLIT),
+    "llama3": (False, _LLAMA3_SPLIT),
+}
+_CONTROL_TOKEN = 3
+_USER_DEFINED_TOKEN = 4
+
+Progress = Callable[[str, int, int], None]
+
+
+class GGUFImportError(UserError):
+    """The GGUF file cannot be imported; the message says why, in user terms."""
+
+
+@dataclass(frozen=True)
+class ImportedModel:
+    name: str
+    path: Path
+    architecture: str
+
+
+def import_gguf(
+    gguf_path: Path,
+    models_dir: Path,
+    name: str | None = None,
+    progress: Progress | None = None,
+) -> ImportedModel:
+    """Convert `gguf_path` into `models_dir/name`, atomically."""
+    report = progress or (lambda stage, done, total: None)
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise GGUFImportError(f"No such file: {gguf_path}")
+    name = name or gguf_path.stem
+    _check_model_name(name)
+    target = models_dir / name
+    if target.exists():
+        raise GGUFImportError(f"A model named {name!r} already exists in {models_dir}")
+
+    report("Reading GGUF", 0, 4)
+    tensors, meta = _read_gguf(gguf_path)
+    architecture = _meta_str(meta, "general.architecture")
+    if architecture != "llama":
+        raise GGUFImportError(
+            f"{gguf_path.name} is a {architecture or 'unknown'!r} model; "
+            "only llama-family GGUF files can be imported"
+        )
+    report("Mapping weights", 1, 4)
+    weights = _map_weights(tensors)
+    config = _model_config(meta, weights)
+    report("Building tokenizer", 2, 4)
+    tokenizer_json, tokenizer_config = _tokenizer_files(meta)
+
+    report("Writing model folder", 3, 4)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".import-{name}-", dir=models_dir))
+    try:
+        mx.save_safetensors(str(staging / "model.safetensors"), weights, {"format": "mlx"})
+        config["reprise"] = {
+            "source": "gguf",
+            "gguf_file": gguf_path.name,
+            "gguf_sha256": _sha256(gguf_path),
+        }
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        (staging / "tokenizer.json").write_text(tokenizer_json)
+        (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report("Done", 4, 4)
+    return ImportedModel(name, target, architecture)
+
+
+def _check_model_name(name: str) -> None:
+    if not name or name.startswith(".") or "/" in name or "\\" in name or name in {"..", "."}:
+        raise GGUFImportError(f"{name!r} is not a usable model name")
+
+
+def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GGUFImportError(f"{path.name} is not a GGUF file")
+    try:
+        tensors, meta = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as exc:
+        raise GGUFImportError(f"{path.name} could not be read (truncated or damaged?): {exc}")
+    return tensors, meta
+
+
+def _meta_str(meta: dict, key: str) -> str | None:
+    value = meta.get(key)
+    return value if isinstance(value, str) else None
+
+
+def _meta_num(meta: dict, key: str, default=None):
+    value = meta.get(key)
+    if value is None:
+        if default is None:
+            raise GGUFImportError(f"The GGUF metadata lacks {key}")
+        return default
+    return value.item() if isinstance(value, mx.array) else value
+
+
+def _map_weights(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    weights = {}
+    for key, value in tensors.items():
+        if match := _BLOCK_NAME.match(key):
+            block, part, suffix = match.groups()
+            if part not in _PER_BLOCK:
+                raise GGUFImportError(f"Unsupported tensor {key} (not a plain llama block)")
+            weights[f"model.layers.{block}.{_PER_BLOCK[part]}.{suffix}"] = value
+        elif (match := _TOP_NAME.match(key)) and match.group(1) in _TOP_LEVEL:
+            weights[f"{_TOP_LEVEL[match.group(1)]}.{match.group(2)}"] = value
+        elif key == "rope_freqs.weight":
+            raise GGUFImportError("GGUF files with rope frequency factors are not supported yet")
+        else:
+            raise GGUFImportError(f"Unsupported tensor {key} (not a plain llama model)")
+    return weights
+
+
+def _quant_params(weights: dict[str, mx.array], prefix: str, in_dims: int) -> dict | None:
+    scales = weights.get(f"{prefix}.scales")
+    if scales is None:
+        return None
+    packed = weights[f"{prefix}.weight"]
+    return {
+        "group_size": in_dims // scales.shape[-1],
+        "bits": packed.shape[-1] * 32 // in_dims,
+    }
+
+
+def _model_config(meta: dict, weights: dict[str, mx.array]) -> dict:
+    hidden = int(_meta_num(meta, "llama.embedding_length"))
+    layers = int(_meta_num(meta, "llama.block_count"))
+    heads = int(_meta_num(meta, "llama.attention.head_count"))
+    head_dim = int(_meta_num(meta, "llama.attention.key_length", hidden // heads))
+    vocab = len(meta.get("tokenizer.ggml.tokens") or [])
+    for i in range(layers):
+        for part in _PER_BLOCK.values():
+            if f"model.layers.{i}.{part}.weight" not in weights:
+                raise GGUFImportError(f"The GGUF file lacks layer {i}'s {part} weights")
+    if "model.embed_tokens.weight" not in weights:
+        raise GGUFImportError("The GGUF file lacks the token embeddings")
+
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": int(_meta_num(meta, "llama.feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_meta_num(meta, "llama.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(_meta_num(meta, "llama.attention.layer_norm_rms_epsilon")),
+        "vocab_size": vocab or int(_meta_num(meta, "llama.vocab_size")),
+        "rope_theta": float(_meta_num(meta, "llama.rope.freq_base", 10000.0)),
+        "rope_traditional": True,
+        "max_position_embeddings": int(_meta_num(meta, "llama.context_length", 4096)),
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+    }
+    in_dims = {"embed_tokens": hidden, "o_proj": heads * head_dim, "down_proj": config["intermediate_size"]}
+    quantized = {}
+    for key in weights:
+        if key.endswith(".scales"):
+            prefix = key[: -len(".scales")]
+            dims = in_dims.get(prefix.rsplit(".", 1)[-1], hidden)
+            quantized[prefix] = _quant_params(weights, prefix, dims)
+    if quantized:
+        # The most common setting is the default; mlx-lm takes per-layer entries for the rest.
+        settings = [json.dumps(q, sort_keys=True) for q in quantized.values()]
+        default = json.loads(max(set(settings), key=settings.count))
+        config["quantization"] = dict(default)
+        for prefix, params in quantized.items():
+            if params != default:
+                config["quantization"][prefix] = params
+    return config
+
+
+def _tokenizer_files(meta: dict) -> tuple[str, dict]:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = meta.get("tokenizer.ggml.tokens")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not tokens:
+        raise GGUFImportError("The GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    kind = _meta_str(meta, "tokenizer.ggml.model")
+    if kind != "gpt2" or not merges:
+        raise GGUFImportError(
+            f"Tokenizer type {kind!r} is not supported yet; only byte-level BPE ('gpt2') is"
+        )
+    pre = _meta_str(meta, "tokenizer.ggml.pre") or "default"
+    if pre not in _PRE_TOKENIZERS:
+        raise GGUFImportError(f"Pre-tokenizer {pre!r} is not supported yet")
+    split_digits, pattern = _PRE_TOKENIZERS[pre]
+
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
+    steps += [
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tokenizer.decoder = decoders.ByteLevel()
+
+    types = meta.get("tokenizer.ggml.token_type")
+    types = types.tolist() if isinstance(types, mx.array) else [1] * len(tokens)
+    special = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i, kind_ in enumerate(types)
+        if kind_ in (_CONTROL_TOKEN, _USER_DEFINED_TOKEN)
+    ]
+    tokenizer.add_special_tokens(special)
+
+    def token_at(key: str) -> str | None:
+        index = meta.get(key)
+        return tokens[int(index.item())] if isinstance(index, mx.array) else None
+
+    template = _meta_str(meta, "tokenizer.chat_template")
+    if not template:
+        raise GGUFImportError("The GGUF file has no chat template (tokenizer.chat_template)")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token_at("tokenizer.ggml.bos_token_id"),
+        "eos_token": token_at("tokenizer.ggml.eos_token_id"),
+        "pad_token": token_at("tokenizer.ggml.padding_token_id"),
+        "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
+        "add_bos_token": bool(_meta_num(meta, "tokenizer.ggml.add_bos_token", False)),
+        "model_max_length": int(_meta_num(meta, "llama.context_length", 4096)),
+        "clean_up_tokenization_spaces": False,
+        "chat_template": template,
+    }
+    return tokenizer.to_str(), config
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,1 @@
+"""Persistence for Reprise: paths, SQLite, cache files. No Qt, no model code."""

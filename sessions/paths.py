@@ -1,0 +1,36 @@
+"""Where Reprise keeps its files.
+
+Each directory comes from platformdirs and can be overridden by an environment
+variable, which is how tests point the app at a temporary folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP_NAME = "Reprise"
+
+
+def _dir(env_var: str, default: str) -> Path:
+    override = os.environ.get(env_var)
+    path = Path(override).expanduser() if override else Path(default)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def data_dir() -> Path:
+    """Holds the SQLite database."""
+    return _dir("REPRISE_DATA_DIR", platformdirs.user_data_dir(APP_NAME))
+
+
+def cache_dir() -> Path:
+    """Holds KV-cache files; everything here may be deleted without losing text."""
+    return _dir("REPRISE_CACHE_DIR", platformdirs.user_cache_dir(APP_NAME))
+
+
+def models_dir() -> Path:
+    """Holds one folder per model, each loadable by mlx-lm."""
+    return _dir("REPRISE_MODELS_DIR", str(Path(platformdirs.user_data_dir(APP_NAME)) / "models"))
