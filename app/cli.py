@@ -19,10 +19,16 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 6, 8], help="quantize the KV cache")
+    parser.add_argument(
+        "--kv-bits", type=int, choices=[2, 3, 4, 6, 8], help="quantize the KV cache"
+    )
     parser.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
-    parser.add_argument("--quantized-kv-start", type=int, default=0,
-                        help="quantize the KV cache once it holds this many tokens")
+    parser.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=0,
+        help="quantize the KV cache once it holds this many tokens",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per turn")
 
 
@@ -42,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     gguf = model_commands.add_parser("import-gguf", help="import a llama-family GGUF file")
     gguf.add_argument("path", type=Path)
     gguf.add_argument("--name", help="model name (default: the file name)")
-    gguf.add_argument("--if-missing", action="store_true",
-                      help="do nothing if a model of that name is installed")
+    gguf.add_argument(
+        "--if-missing", action="store_true", help="do nothing if a model of that name is installed"
+    )
     delete = model_commands.add_parser("delete", help="delete an installed model")
     delete.add_argument("name")
 

@@ -14,9 +14,7 @@ def measure(model_dir: str, prompt: list[int], max_tokens: int) -> dict:
     model, tokenizer = load(model_dir)
     for _ in stream_generate(model, tokenizer, prompt[:16], max_tokens=2):  # warm-up
         pass
-    last = None
-    for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-        pass
+    *_, last = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)
     return {
         "prefill_tps": last.prompt_tps,
         "decode_tps": last.generation_tps,

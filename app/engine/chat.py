@@ -43,6 +43,10 @@ class ContextFull(UserError):
     pass
 
 
+class UnsupportedKVSettings(UserError):
+    pass
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -134,6 +138,11 @@ class ChatSession:
             raise ContextFull(
                 f"The conversation ({len(prompt)} tokens) no longer fits the model's "
                 f"context of {self.loaded.context_length} tokens; start a new chat"
+            )
+        if kv.bits is not None and self.loaded.head_dim % kv.group_size:
+            raise UnsupportedKVSettings(
+                f"KV group size {kv.group_size} does not divide this model's head size "
+                f"({self.loaded.head_dim}); choose a smaller group size"
             )
         mx.reset_peak_memory()
         if sampling.seed is not None:

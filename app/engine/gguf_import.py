@@ -109,11 +109,11 @@ def import_gguf(
             f"{gguf_path.name} is a {architecture or 'unknown'!r} model; "
             "only llama-family GGUF files can be imported"
         )
-    report("Mapping weights", 1, 4)
+    report("Building tokenizer", 1, 4)
+    tokenizer_json, tokenizer_config = _tokenizer_files(meta)
+    report("Mapping weights", 2, 4)
     weights = _map_weights(tensors)
     config = _model_config(meta, weights)
-    report("Building tokenizer", 2, 4)
-    tokenizer_json, tokenizer_config = _tokenizer_files(meta)
 
     report("Writing model folder", 3, 4)
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +148,8 @@ def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
     try:
         tensors, meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
-        raise GGUFImportError(f"{path.name} could not be read (truncated or damaged?): {exc}")
+        message = f"{path.name} could not be read (truncated or damaged?): {exc}"
+        raise GGUFImportError(message) from exc
     return tensors, meta
 
 
@@ -199,7 +200,6 @@ def _model_config(meta: dict, weights: dict[str, mx.array]) -> dict:
     layers = int(_meta_num(meta, "llama.block_count"))
     heads = int(_meta_num(meta, "llama.attention.head_count"))
     head_dim = int(_meta_num(meta, "llama.attention.key_length", hidden // heads))
-    vocab = len(meta.get("tokenizer.ggml.tokens") or [])
     for i in range(layers):
         for part in _PER_BLOCK.values():
             if f"model.layers.{i}.{part}.weight" not in weights:
@@ -217,13 +217,17 @@ def _model_config(meta: dict, weights: dict[str, mx.array]) -> dict:
         "num_key_value_heads": int(_meta_num(meta, "llama.attention.head_count_kv", heads)),
         "head_dim": head_dim,
         "rms_norm_eps": float(_meta_num(meta, "llama.attention.layer_norm_rms_epsilon")),
-        "vocab_size": vocab or int(_meta_num(meta, "llama.vocab_size")),
+        "vocab_size": weights["model.embed_tokens.weight"].shape[0],
         "rope_theta": float(_meta_num(meta, "llama.rope.freq_base", 10000.0)),
         "rope_traditional": True,
         "max_position_embeddings": int(_meta_num(meta, "llama.context_length", 4096)),
         "tie_word_embeddings": "lm_head.weight" not in weights,
     }
-    in_dims = {"embed_tokens": hidden, "o_proj": heads * head_dim, "down_proj": config["intermediate_size"]}
+    in_dims = {
+        "embed_tokens": hidden,
+        "o_proj": heads * head_dim,
+        "down_proj": config["intermediate_size"],
+    }
     quantized = {}
     for key in weights:
         if key.endswith(".scales"):

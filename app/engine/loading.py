@@ -52,6 +52,11 @@ class LoadedModel:
     def context_length(self) -> int:
         return int(self.config.get("max_position_embeddings") or 4096)
 
+    @property
+    def head_dim(self) -> int:
+        config = self.config
+        return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
 
 class ModelLoadError(UserError):
     pass
@@ -93,19 +98,25 @@ def _choose_compute(model: nn.Module, compute: str) -> ComputePath:
             f"{_DENSE_MEMORY_SHARE:.0%} of memory; running {stored} weights (slow on CPU)"
         )
         return ComputePath(device, blas.CHOICE.name, f"as stored ({stored})", note)
-    return ComputePath(
-        device, blas.CHOICE.name, f"float32 (dequantized from {stored})", blas.CHOICE.note
-    )
+    how = "dequantized" if stored.endswith("-bit") else "converted"
+    return ComputePath(device, blas.CHOICE.name, f"float32 ({how} from {stored})", blas.CHOICE.note)
 
 
 def _stored_description(model: nn.Module) -> str:
     bits = sorted(
-        {m.bits for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)}
+        {
+            m.bits
+            for _, m in model.named_modules()
+            if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        }
     )
     if bits:
         return "/".join(str(b) for b in bits) + "-bit"
-    dtypes = {v.dtype for _, v in tree_flatten(model.parameters())}
-    return str(dtypes.pop()).split(".")[-1] if len(dtypes) == 1 else "mixed"
+    sizes: dict[str, int] = {}
+    for _, value in tree_flatten(model.parameters()):
+        name = str(value.dtype).split(".")[-1]
+        sizes[name] = sizes.get(name, 0) + value.size
+    return max(sizes, key=sizes.get)
 
 
 def _parameter_count(model: nn.Module) -> int:

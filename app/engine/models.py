@@ -59,7 +59,11 @@ def list_models(models_dir: Path) -> list[ModelInfo]:
     """Every usable model folder, by name; hidden folders (imports in progress) are skipped."""
     if not models_dir.is_dir():
         return []
-    found = (read_info(p) for p in sorted(models_dir.iterdir()) if p.is_dir() and not p.name.startswith("."))
+    found = (
+        read_info(p)
+        for p in sorted(models_dir.iterdir())
+        if p.is_dir() and not p.name.startswith(".")
+    )
     return [info for info in found if info is not None]
 
 

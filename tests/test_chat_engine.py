@@ -1,0 +1,221 @@
+"""The chat engine on the tiny random model: cache reuse, stop, sampling, KV quantization."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from app.engine import chat as chat_module
+from app.engine.chat import ChatSession, ContextFull, common_prefix_length
+from app.engine.generation import (
+    KVSettings,
+    PromptProgress,
+    SamplingSettings,
+    TextDelta,
+    TurnFinished,
+)
+
+
+def run(session, messages, **kwargs) -> tuple[TurnFinished, list]:
+    events = list(session.reply(messages, **kwargs))
+    assert isinstance(events[-1], TurnFinished)
+    return events[-1], events
+
+
+def cache_offset(session) -> int:
+    return session.cache[0].offset
+
+
+GREEDY = SamplingSettings.greedy(12)
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([], [1]) == 0
+
+
+def test_reply_streams_text_that_adds_up_to_the_final_text(tiny_model):
+    session = ChatSession(tiny_model)
+    finished, events = run(session, [{"role": "user", "content": "hello"}], sampling=GREEDY)
+    deltas = [e.text for e in events if isinstance(e, TextDelta)]
+    assert len(deltas) > 1
+    assert "".join(deltas) == finished.text
+    assert finished.stats.generated_tokens == 12
+    assert finished.stats.finish_reason == "length"
+    assert "float32" in finished.stats.compute  # the engine says which path it took
+
+
+def test_second_turn_prefills_only_new_tokens(tiny_model):
+    session = ChatSession(tiny_model)
+    messages = [{"role": "user", "content": "hello there"}]
+    first, _ = run(session, messages, sampling=GREEDY)
+    cached = list(session.tokens)
+    assert len(cached) == cache_offset(session) == first.stats.prompt_tokens + 12
+
+    messages += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "and then?"},
+    ]
+    second, _ = run(session, messages, sampling=GREEDY)
+    prompt = session.render(messages)
+    reused = common_prefix_length(cached, prompt)
+    assert reused > first.stats.prompt_tokens
+    assert second.stats.reused_tokens == reused
+    assert second.stats.prefilled_tokens == len(prompt) - reused
+
+
+def test_regenerate_reuses_all_but_the_last_prompt_token(tiny_model):
+    session = ChatSession(tiny_model)
+    messages = [{"role": "user", "content": "tell me"}]
+    first, _ = run(session, messages, sampling=GREEDY)
+    again, _ = run(session, messages, sampling=GREEDY)
+    assert again.stats.reused_tokens == again.stats.prompt_tokens - 1
+    assert again.text == first.text  # greedy, and the trimmed cache is right
+
+
+def test_edit_reuses_the_prefix_before_the_edited_message(tiny_model):
+    session = ChatSession(tiny_model)
+    history = [
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "first answer"},
+    ]
+    original = [*history, {"role": "user", "content": "the original"}]
+    edited = [*history, {"role": "user", "content": "an edited one"}]
+    run(session, original, sampling=GREEDY)
+    result, _ = run(session, edited, sampling=GREEDY)
+    shared = common_prefix_length(session.render(original), session.render(edited))
+    assert shared > len(session.render(history[:1]))
+    assert result.stats.reused_tokens == shared
+    fresh, _ = run(ChatSession(tiny_model), edited, sampling=GREEDY)
+    assert result.text == fresh.text
+
+
+def test_stop_between_tokens_keeps_cache_and_tokens_in_step(tiny_model):
+    session = ChatSession(tiny_model)
+    seen = []
+
+    def stop_after_three() -> bool:
+        return len(seen) >= 3
+
+    for event in session.reply(
+        [{"role": "user", "content": "go on"}],
+        sampling=SamplingSettings.greedy(50),
+        should_stop=stop_after_three,
+    ):
+        if isinstance(event, TextDelta):
+            seen.append(event.text)
+        if isinstance(event, TurnFinished):
+            finished = event
+    assert finished.stats.finish_reason == "cancelled"
+    assert finished.stats.generated_tokens < 50
+    assert len(session.tokens) == cache_offset(session)
+
+
+def test_stop_during_prefill(tiny_model, monkeypatch):
+    monkeypatch.setattr(chat_module, "PREFILL_STEP", 8)
+    session = ChatSession(tiny_model)
+    progress = []
+
+    def stop_after_first_step() -> bool:
+        return len(progress) >= 2
+
+    for event in session.reply(
+        [{"role": "user", "content": "a fairly long message " * 6}],
+        sampling=GREEDY,
+        should_stop=stop_after_first_step,
+    ):
+        if isinstance(event, PromptProgress):
+            progress.append(event)
+        if isinstance(event, TurnFinished):
+            finished = event
+    assert finished.stats.finish_reason == "cancelled"
+    assert finished.stats.generated_tokens == 0
+    assert progress[-1].done == 8 < progress[-1].total
+    assert len(session.tokens) == cache_offset(session) == 8
+
+
+def test_prefill_reports_progress_in_steps(tiny_model, monkeypatch):
+    monkeypatch.setattr(chat_module, "PREFILL_STEP", 16)
+    session = ChatSession(tiny_model)
+    _, events = run(session, [{"role": "user", "content": "words " * 20}], sampling=GREEDY)
+    progress = [e for e in events if isinstance(e, PromptProgress)]
+    total = progress[0].total
+    assert [p.done for p in progress] == [0, *range(16, total - 1, 16), total - 1, total]
+
+
+def test_seeded_sampling_repeats_and_differs_from_greedy(tiny_model):
+    hot = SamplingSettings(temperature=1.5, top_p=1.0, max_tokens=20, seed=7)
+    messages = [{"role": "user", "content": "hi"}]
+    one, _ = run(ChatSession(tiny_model), messages, sampling=hot)
+    two, _ = run(ChatSession(tiny_model), messages, sampling=hot)
+    greedy, _ = run(ChatSession(tiny_model), messages, sampling=SamplingSettings.greedy(20))
+    assert one.text == two.text
+    assert one.text != greedy.text
+
+
+def test_repetition_penalty_changes_the_reply(tiny_model):
+    messages = [{"role": "user", "content": "hi"}]
+    plain, _ = run(ChatSession(tiny_model), messages, sampling=SamplingSettings.greedy(30))
+    penalised = SamplingSettings(temperature=0.0, repetition_penalty=3.0, max_tokens=30, seed=0)
+    other, _ = run(ChatSession(tiny_model), messages, sampling=penalised)
+    assert other.text != plain.text
+
+
+def test_system_prompt_goes_first(tiny_model):
+    session = ChatSession(tiny_model)
+    tokens = session.render([{"role": "user", "content": "hi"}], system="be brief")
+    text = tiny_model.tokenizer.decode(tokens)
+    assert text.startswith("<|im_start|>system\nbe brief<|im_end|>")
+
+
+def test_kv_quantization_after_the_start_threshold(tiny_model):
+    session = ChatSession(tiny_model)
+    kv = KVSettings(bits=8, group_size=32, quantized_kv_start=10_000)
+    first, _ = run(session, [{"role": "user", "content": "hi"}], sampling=GREEDY, kv=kv)
+    assert isinstance(session.cache[0], KVCache)
+    assert first.stats.kv_format == "float32"
+
+    kv = KVSettings(bits=8, group_size=32, quantized_kv_start=0)
+    second, _ = run(session, [{"role": "user", "content": "hi"}], sampling=GREEDY, kv=kv)
+    assert isinstance(session.cache[0], QuantizedKVCache)
+    assert second.stats.kv_format == "8-bit (group 32)"
+    assert second.stats.reused_tokens > 0  # a full-precision cache converts losslessly
+    assert 0 < second.stats.kv_bytes < first.stats.kv_bytes
+
+
+def test_a_quantized_cache_is_not_reused_by_another_format(tiny_model):
+    session = ChatSession(tiny_model)
+    messages = [{"role": "user", "content": "hi"}]
+    run(session, messages, sampling=GREEDY, kv=KVSettings(bits=4, group_size=32))
+    full, _ = run(session, messages, sampling=GREEDY, kv=KVSettings())
+    assert full.stats.reused_tokens == 0
+    assert isinstance(session.cache[0], KVCache)
+
+
+def test_kv_settings_are_checked():
+    with pytest.raises(ValueError, match="KV bits"):
+        KVSettings(bits=5)
+    with pytest.raises(ValueError, match="group size"):
+        KVSettings(bits=4, group_size=48)
+
+
+def test_a_conversation_longer_than_the_context_is_refused(tiny_model, monkeypatch):
+    session = ChatSession(tiny_model)
+    with pytest.raises(ContextFull, match="no longer fits"):
+        list(session.reply([{"role": "user", "content": "x " * 3000}]))
+
+
+def test_peak_memory_and_kv_bytes_are_reported(tiny_model):
+    finished, _ = run(ChatSession(tiny_model), [{"role": "user", "content": "hi"}], sampling=GREEDY)
+    assert finished.stats.kv_bytes > 0
+    assert finished.stats.peak_memory_bytes >= finished.stats.kv_bytes
+    assert mx.get_peak_memory() > 0
+
+
+def test_a_group_size_that_does_not_fit_the_heads_is_refused(tiny_model):
+    session = ChatSession(tiny_model)
+    kv = KVSettings(bits=4, group_size=64)  # the tiny model's heads are 32 wide
+    with pytest.raises(chat_module.UnsupportedKVSettings, match="head size"):
+        list(session.reply([{"role": "user", "content": "hi"}], kv=kv))

@@ -1,0 +1,136 @@
+"""`reprise` as a user runs it: a real subprocess of the console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import tiny
+
+REPRISE = str(Path(sys.executable).with_name("reprise"))
+
+
+def reprise(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [REPRISE, *args], capture_output=True, text=True, timeout=300, check=False, **kwargs
+    )
+
+
+def test_version():
+    from app import __version__
+
+    done = reprise("--version")
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"reprise {__version__}"
+
+
+def test_import_list_and_delete_a_model(tmp_path, app_dirs):
+    gguf = tiny.write_gguf(tmp_path / "tiny.gguf")
+    done = reprise("models", "import-gguf", str(gguf), "--name", "tiny")
+    assert done.returncode == 0, done.stderr
+    assert "Building tokenizer" in done.stderr  # progress is shown
+
+    listed = json.loads(reprise("models", "list", "--json").stdout)
+    assert [m["name"] for m in listed] == ["tiny"]
+    assert Path(listed[0]["path"]).parent == app_dirs["models"]
+
+    again = reprise("models", "import-gguf", str(gguf), "--name", "tiny", "--if-missing")
+    assert again.returncode == 0 and "already installed" in again.stdout
+
+    assert reprise("models", "delete", "tiny").returncode == 0
+    assert json.loads(reprise("models", "list", "--json").stdout) == []
+
+
+def test_a_bad_gguf_gets_a_message_not_a_traceback(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 10)
+    done = reprise("models", "import-gguf", str(bad))
+    assert done.returncode == 1
+    assert "reprise: bad.gguf could not be read" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_chat_without_models_explains_how_to_get_one():
+    done = reprise("chat", "hello")
+    assert done.returncode == 1
+    assert "No models" in done.stderr and "import-gguf" in done.stderr
+
+
+def test_chat_json_prints_reply_and_stats(tiny_model_dir):
+    done = reprise(
+        "chat",
+        "--model",
+        str(tiny_model_dir),
+        "--temp",
+        "0",
+        "--max-tokens",
+        "7",
+        "--kv-bits",
+        "8",
+        "--kv-group-size",
+        "32",
+        "--json",
+        "hello",
+    )
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert record["model"] == "tiny-random-llama"
+    assert record["generated_tokens"] == 7 and record["finish_reason"] == "length"
+    assert record["kv_format"] == "8-bit (group 32)"
+    for key in (
+        "reply",
+        "prompt_tokens",
+        "reused_tokens",
+        "prefill_s",
+        "ttft_s",
+        "decode_tps",
+        "kv_bytes",
+        "peak_memory_bytes",
+        "compute",
+    ):
+        assert key in record
+
+
+def test_interactive_chat_reuses_the_cache_across_turns(tiny_model_dir):
+    done = reprise(
+        "chat",
+        "--model",
+        str(tiny_model_dir),
+        "--temp",
+        "0",
+        "--max-tokens",
+        "5",
+        "--json",
+        input="hello\n\nagain\n",
+    )
+    assert done.returncode == 0, done.stderr
+    first, second = (json.loads(line) for line in done.stdout.splitlines())
+    # The random model's bytes need not re-tokenize the same, so only the prompt is sure.
+    assert second["reused_tokens"] >= first["prompt_tokens"]
+    assert second["prefilled_tokens"] == second["prompt_tokens"] - second["reused_tokens"]
+
+
+def test_ctrl_c_stops_the_reply_not_the_program(starter_model_dir):
+    process = subprocess.Popen(
+        [REPRISE, "chat", "--model", str(starter_model_dir), "--temp", "0", "--max-tokens", "2000"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    process.stdin.write("Tell me a very long story about a dragon.\n")
+    process.stdin.flush()
+    first = process.stdout.read(1)  # the reply has started streaming
+    assert first
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate("What is the capital of France?\n", timeout=300)
+    assert process.returncode == 0, err
+    assert "[stopped]" in out
+    assert "Paris" in out.split("[stopped]", 1)[1]
