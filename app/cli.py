@@ -39,7 +39,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="chat in the terminal")
     chat.add_argument("message", nargs="?", help="send one message and print the reply")
+    chat.add_argument(
+        "--conversation",
+        metavar="new|ID",
+        help="store the chat (messages and KV cache); ID continues one",
+    )
     _add_generation_options(chat)
+
+    convs = commands.add_parser("conversations", help="stored conversations")
+    conv_commands = convs.add_subparsers(dest="conversations_command", required=True)
+    conv_list = conv_commands.add_parser("list", help="newest first")
+    conv_list.add_argument("--json", action="store_true")
+    conv_commands.add_parser("show", help="print one").add_argument("id", type=int)
+    conv_commands.add_parser("search", help="full-text search").add_argument("text")
+    conv_commands.add_parser("delete", help="delete one, with its cache").add_argument(
+        "id", type=int
+    )
+    export = conv_commands.add_parser("export", help="as Markdown or JSON")
+    export.add_argument("id", type=int)
+    export.add_argument("--format", choices=["markdown", "json"], default="markdown")
+    export.add_argument("--output", "-o", help="file to write (default: print)")
+
+    cache = commands.add_parser("cache", help="the KV cache files on disk")
+    cache_commands = cache.add_subparsers(dest="cache_command", required=True)
+    cache_commands.add_parser("ls", help="per conversation").add_argument(
+        "--json", action="store_true"
+    )
+    cache_verify = cache_commands.add_parser("verify", help="check every file")
+    cache_verify.add_argument("--json", action="store_true")
+    cache_commands.add_parser("gc", help="remove orphaned and unreferenced files")
+    cache_export = cache_commands.add_parser("export", help="as an mlx-lm prompt cache file")
+    cache_export.add_argument("id", type=int)
+    cache_export.add_argument("out")
 
     models = commands.add_parser("models", help="list and import models")
     model_commands = models.add_subparsers(dest="models_command", required=True)
@@ -74,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
             return _models(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "conversations":
+            from app.commands import store
+
+            return store.conversations(args)
+        if args.command == "cache":
+            from app.commands import store
+
+            return store.cache(args)
     except UserError as exc:
         print(f"reprise: {exc}", file=sys.stderr)
         return 1
@@ -83,28 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 def _chat(args: argparse.Namespace) -> int:
     if args.command is None:  # the GUI comes with the desktop-app issue; chat meanwhile
         args = build_parser().parse_args(["chat"])
-    from app.engine import loading, models
-    from app.engine.chat import ChatSession
-    from app.engine.generation import KVSettings, SamplingSettings
-    from app.terminal_chat import ChatOptions, chat
-    from sessions import paths
+    from app.commands import chat
 
-    path = models.resolve(args.model, paths.models_dir())
-    session = ChatSession(loading.load(path))
-    options = ChatOptions(
-        system=args.system,
-        sampling=SamplingSettings(
-            temperature=args.temp,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-        ),
-        kv=KVSettings(args.kv_bits, args.kv_group_size, args.quantized_kv_start),
-        as_json=args.json,
-    )
-    return chat(session, args.message, options)
+    return chat.run(args)
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -1,10 +1,5 @@
-"""Errors a user can act on, kept apart from bugs.
+"""The engine raises `UserError` (defined in `sessions`, the lowest layer) for user mistakes."""
 
-A `UserError` carries a message meant for the person using the app (shown as
-is in the terminal or a dialog); any other exception is a bug and is reported
-with its traceback.
-"""
+from sessions.errors import UserError
 
-
-class UserError(Exception):
-    """Something the user can fix: a bad file, a missing model, a full disk."""
+__all__ = ["UserError"]

@@ -1,0 +1,181 @@
+"""`reprise chat`: one message, or an interactive chat, in the terminal.
+
+Without `--conversation` the chat lives in memory only. With it, every turn is
+stored (messages in SQLite, the KV cache on disk) and a later `reprise chat
+--conversation ID` continues from the saved cache.
+
+Ctrl-C while a reply streams stops that reply (the conversation and its cache
+stay consistent); Ctrl-C or Ctrl-D at the prompt ends the chat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from app.engine import loading, models
+from app.engine.chat import ChatSession
+from app.engine.conversation import CacheSaved, ConversationEngine, TurnOptions
+from app.engine.generation import KVSettings, SamplingSettings, TextDelta, TurnFinished
+from sessions import paths
+from sessions.conversations import ConversationStore, NotFound
+from sessions.db import open_db
+from sessions.settings import Settings
+
+Turn = Callable[[str, Callable[[], bool]], Iterator]
+
+
+class StopFlag:
+    def __init__(self) -> None:
+        self.raised = False
+
+    def __call__(self) -> bool:
+        return self.raised
+
+
+@contextmanager
+def ctrl_c_stops(flag: StopFlag):
+    """While active, Ctrl-C sets `flag` instead of raising KeyboardInterrupt."""
+    flag.raised = False
+
+    def handler(_signum, _frame) -> None:
+        flag.raised = True
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def options_from_args(args: argparse.Namespace) -> TurnOptions:
+    return TurnOptions(
+        system=args.system,
+        sampling=SamplingSettings(
+            temperature=args.temp,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        ),
+        kv=KVSettings(args.kv_bits, args.kv_group_size, args.quantized_kv_start),
+    )
+
+
+def print_turn(events: Iterator, as_json: bool, model: str) -> None:
+    finished: TurnFinished | None = None
+    saved: CacheSaved | None = None
+    for event in events:
+        if isinstance(event, TextDelta) and not as_json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, TurnFinished):
+            finished = event
+            if not as_json:
+                stopped = " [stopped]" if event.stats.finish_reason == "cancelled" else ""
+                print(stopped, flush=True)
+        elif isinstance(event, CacheSaved):
+            saved = event
+    if finished is None:
+        return
+    if as_json:
+        stats = finished.stats.to_dict()
+        extra = stats.pop("extra")
+        record = {"reply": finished.text, "model": model, **extra, **stats}
+        if saved is not None:
+            record["cache_bytes_written"] = saved.report.bytes_written
+            record["cache_chunks_written"] = saved.report.chunks_written
+            record["cache_save_error"] = saved.error
+        print(json.dumps(record), flush=True)
+    elif saved is not None and saved.error:
+        print(f"(the cache was not saved: {saved.error})", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
+    if args.conversation is None:
+        path = models.resolve(args.model, paths.models_dir())
+        session = ChatSession(loading.load(path))
+        messages: list[dict] = []
+
+        def turn(text: str, should_stop: Callable[[], bool]) -> Iterator:
+            messages.append({"role": "user", "content": text})
+            for event in session.reply(
+                messages,
+                system=options.system,
+                sampling=options.sampling,
+                kv=options.kv,
+                should_stop=should_stop,
+            ):
+                if isinstance(event, TurnFinished):
+                    messages.append({"role": "assistant", "content": event.text})
+                yield event
+
+        return loop(turn, args.message, args.json, session.loaded.name)
+
+    db = open_db()
+    settings = Settings(db)
+    engine_for = _conversation_engine(db, settings)
+    if args.conversation == "new":
+        engine = engine_for(args.model)
+        conversation = engine.store.create(
+            engine.loaded.name, args.system, {"sampling": vars(options.sampling)}
+        )
+    else:
+        try:
+            conversation_id = int(args.conversation)
+        except ValueError:
+            raise NotFound(
+                f"--conversation takes 'new' or a number, not {args.conversation!r}"
+            ) from None
+        conversation = ConversationStore(db).get(conversation_id)
+        engine = engine_for(args.model or conversation.model)
+    if not args.json:
+        print(f"Conversation {conversation.id}", file=sys.stderr)
+
+    def stored_turn(text: str, should_stop: Callable[[], bool]) -> Iterator:
+        return engine.send(conversation.id, text, options, should_stop)
+
+    return loop(stored_turn, args.message, args.json, engine.loaded.name)
+
+
+def _conversation_engine(db, settings: Settings) -> Callable[[str | None], ConversationEngine]:
+    def make(model: str | None) -> ConversationEngine:
+        path = models.resolve(model or settings.get("model"), paths.models_dir())
+        return ConversationEngine(
+            db,
+            loading.load(path),
+            chunk_tokens=settings.get("cache_chunk_tokens"),
+            budget_bytes=settings.get("cache_budget_bytes"),
+        )
+
+    return make
+
+
+def loop(turn: Turn, first_message: str | None, as_json: bool, model: str) -> int:
+    flag = StopFlag()
+
+    def one(text: str) -> None:
+        with ctrl_c_stops(flag):
+            print_turn(turn(text, flag), as_json, model)
+
+    if first_message is not None:
+        one(first_message)
+        return 0
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"Chatting with {model}. Ctrl-C stops a reply; Ctrl-D quits.")
+    while True:
+        try:
+            text = input("> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                print()
+            return 0
+        if text.strip():
+            one(text)

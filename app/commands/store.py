@@ -1,0 +1,129 @@
+"""`reprise conversations ...` and `reprise cache ...`: what is stored, from the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from sessions.cachefiles import CacheIndex
+from sessions.conversations import ConversationStore
+from sessions.db import open_db
+
+
+def conversations(args: argparse.Namespace) -> int:
+    store = ConversationStore(open_db())
+    command = args.conversations_command
+    if command == "list":
+        rows = store.list()
+        if args.json:
+            print(json.dumps([_summary(c) for c in rows], indent=2))
+        for c in [] if args.json else rows:
+            print(f"{c.id:5}  {c.updated[:16].replace('T', ' ')}  {c.model:28.28}  {c.title}")
+        return 0
+    if command == "show":
+        conversation = store.get(args.id)
+        print(f"# {conversation.title or 'Untitled'}  ({conversation.model})")
+        for m in conversation.messages:
+            note = "" if m.state == "complete" else f"  [{m.state}]"
+            print(f"\n{m.role}:{note}\n{m.content}")
+        return 0
+    if command == "search":
+        hits = store.search(args.text)
+        for conversation, message in hits:
+            snippet = " ".join(message.content.split())[:80]
+            print(f"{conversation.id:5}  {conversation.title[:30]:30}  {message.role}: {snippet}")
+        return 0 if hits else 1
+    if command == "delete":
+        store.delete(args.id)
+        CacheIndex(store.db).collect_garbage()
+        print(f"Deleted conversation {args.id}")
+        return 0
+    if command == "export":
+        text = store.export(args.id, args.format)
+        if args.output:
+            Path(args.output).write_text(text)
+        else:
+            print(text)
+        return 0
+    return 2
+
+
+def _summary(conversation) -> dict:
+    return {
+        "id": conversation.id,
+        "title": conversation.title,
+        "model": conversation.model,
+        "created": conversation.created,
+        "updated": conversation.updated,
+    }
+
+
+def cache(args: argparse.Namespace) -> int:
+    db = open_db()
+    index = CacheIndex(db)
+    command = args.cache_command
+    if command == "ls":
+        rows = index.conversations_summary()
+        count, size = index.usage()
+        if args.json:
+            print(json.dumps({"conversations": rows, "chunks": count, "bytes": size}, indent=2))
+            return 0
+        for r in rows:
+            print(
+                f"{r['conversation_id']:5}  {r['tokens']:7} tokens  {r['bytes'] / 1e6:8.1f} MB  "
+                f"{r['kv_format']:8}  {r['chunks_on_disk']}/{r['chunks']} chunks  "
+                f"last used {r['last_used'][:16].replace('T', ' ')}"
+            )
+        print(f"{count} chunk files, {size / 1e6:.1f} MB in {index.root}")
+        return 0
+    if command == "verify":
+        bad = index.verify()
+        count, _ = index.usage()
+        if args.json:
+            print(json.dumps({"checked": count, "bad": bad}, indent=2))
+        else:
+            for b in bad:
+                print(f"BAD  {b['url']}: {b['reason']}")
+            print(f"{count} files checked, {len(bad)} bad")
+        return 1 if bad else 0
+    if command == "gc":
+        removed = index.collect_garbage()
+        print(", ".join(f"{v} {k.replace('_', ' ')}" for k, v in removed.items()))
+        return 0
+    if command == "export":
+        return _export(db, args.id, Path(args.out))
+    return 2
+
+
+def _export(db, conversation_id: int, out: Path) -> int:
+    """Write the conversation's cache as a plain mlx-lm prompt cache file."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from app.engine import loading, models
+    from app.engine.kvstore import KVStore
+    from sessions import paths
+
+    conversation = ConversationStore(db).get(conversation_id)
+    loaded = loading.load(models.resolve(conversation.model, paths.models_dir()))
+    kvstore = KVStore(CacheIndex(db), loaded)
+    entry = kvstore.index.conversation(conversation_id)
+    if entry is None:
+        print(f"reprise: conversation {conversation_id} has no saved cache", file=sys.stderr)
+        return 1
+    result = kvstore.restore(conversation_id, [*entry.tokens, -1])
+    if result.cache is None:
+        print(f"reprise: the saved cache cannot be used: {result.rejected}", file=sys.stderr)
+        return 1
+    save_prompt_cache(
+        str(out),
+        result.cache,
+        {
+            "model": conversation.model,
+            "reprise_conversation_id": str(conversation_id),
+            "tokens": json.dumps(result.tokens),
+        },
+    )
+    print(f"Wrote {len(result.tokens)} tokens of KV cache to {out}")
+    return 0

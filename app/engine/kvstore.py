@@ -1,0 +1,351 @@
+"""Saving a conversation's KV cache as chunk files, and restoring it.
+
+A conversation's cache is cut along the token axis into chunks of
+`chunk_tokens`. A chunk's key hashes the model fingerprint, the KV format and
+the whole token prefix up to the chunk's end, so equal prefixes (branches,
+shared system prompts) share files, and a turn writes only chunks that do not
+exist yet: its own new tokens plus the rewritten last partial chunk.
+
+Restoring reads the chunks the new prompt can use, checks each against what
+it must be (allow-listed cache classes, layer count, shapes, dtypes, token
+hash, checksum), copies them into preallocated per-layer buffers and trims
+to the shared prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache, trim_prompt_cache
+
+from app.engine.chat import common_prefix_length
+from app.engine.loading import LoadedModel
+from sessions.cachefiles import (
+    CacheIndex,
+    CacheRejected,
+    ConversationCache,
+    path_from_url,
+    read_file,
+    write_file,
+)
+
+# The only cache classes ever built from a file (never a name looked up at large).
+ALLOWED_CLASSES = {"KVCache": KVCache, "QuantizedKVCache": QuantizedKVCache}
+_PARTS = ("k", "v")
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Identifies weights, tokenizer and chat template of a model folder.
+
+    Config and tokenizer files are hashed whole; weight files by name, size
+    and modification time (hashing gigabytes at every start would be slow;
+    imported GGUF models also carry the GGUF's SHA-256 in config.json).
+    """
+    digest = hashlib.sha256()
+    for name in (
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "chat_template.json",
+    ):
+        path = model_dir / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        stat = path.stat()
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:32]
+
+
+def kv_format(cache: list) -> str | None:
+    """ "float32", "float16", "q8g64", ...; None when layers differ or are not allow-listed."""
+    formats = set()
+    for layer in cache:
+        if type(layer) is QuantizedKVCache:
+            formats.add(f"q{layer.bits}g{layer.group_size}")
+        elif type(layer) is KVCache and layer.keys is not None:
+            formats.add(str(layer.keys.dtype).split(".")[-1])
+        else:
+            return None
+    return formats.pop() if len(formats) == 1 else None
+
+
+def _tokens_hash(tokens: list[int]) -> str:
+    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
+
+
+def chunk_keys(
+    fingerprint: str, fmt: str, tokens: list[int], size: int
+) -> list[tuple[str, int, int]]:
+    """(key, start, end) of each chunk; the key chains over the whole prefix."""
+    result = []
+    prefix = hashlib.sha256(f"{fingerprint}|{fmt}".encode()).hexdigest()
+    for start in range(0, len(tokens), size):
+        end = min(start + size, len(tokens))
+        prefix = hashlib.sha256((prefix + _tokens_hash(tokens[start:end])).encode()).hexdigest()
+        result.append((prefix[:40], start, end))
+    return result
+
+
+def _layer_arrays(layer) -> dict[str, mx.array]:
+    """A layer's buffers as named arrays (token axis at 2; valid up to `layer.offset`)."""
+    keys, values = layer.keys, layer.values
+    named = {}
+    for part, state in zip(_PARTS, (keys, values), strict=True):
+        items = state if isinstance(state, tuple | list) else (state,)
+        for n, array in enumerate(items):
+            named[f"{part}.{n}"] = array
+    return named
+
+
+def _to_numpy(array: mx.array) -> np.ndarray:
+    if array.dtype == mx.bfloat16:  # numpy has no bfloat16: keep the bits
+        return np.array(array.view(mx.uint16))
+    return np.array(array)
+
+
+@dataclass
+class SaveReport:
+    chunks_written: int = 0
+    chunks_reused: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class RestoreResult:
+    cache: list | None
+    tokens: list[int]
+    seconds: float = 0.0
+    bytes_read: int = 0
+    rejected: str | None = None
+    details: dict = field(default_factory=dict)
+
+
+class KVStore:
+    def __init__(self, index: CacheIndex, loaded: LoadedModel, chunk_tokens: int = 256) -> None:
+        self.index = index
+        self.loaded = loaded
+        self.chunk_tokens = chunk_tokens
+        self.fingerprint = model_fingerprint(loaded.path)
+
+    # -- save ------------------------------------------------------------------
+
+    def save(self, conversation_id: int, tokens: list[int], cache: list) -> SaveReport:
+        started = time.perf_counter()
+        report = SaveReport()
+        fmt = kv_format(cache) if cache else None
+        if fmt is None or not tokens or cache[0].offset != len(tokens):
+            self.index.forget_conversation(conversation_id)
+            return report
+        chunks = chunk_keys(self.fingerprint, fmt, tokens, self.chunk_tokens)
+        layers = [_layer_arrays(layer) for layer in cache]
+        classes = json.dumps([type(layer).__name__ for layer in cache])
+        existing = []
+        for key, start, end in chunks:
+            row = self.index.chunk(key)
+            if row and self.index.chunk_path(key).is_file():
+                existing.append(key)
+                report.chunks_reused += 1
+                continue
+            tensors = {
+                f"{i}.{name}": _to_numpy(array[..., start:end, :])
+                for i, named in enumerate(layers)
+                for name, array in named.items()
+            }
+            metadata = {
+                "model": self.fingerprint,
+                "kv_format": fmt,
+                "key": key,
+                "token_start": str(start),
+                "token_end": str(end),
+                "tokens_hash": _tokens_hash(tokens[start:end]),
+                "layers": str(len(cache)),
+                "classes": classes,
+                "dtype": str(layers[0]["k.0"].dtype).split(".")[-1],
+            }
+            path = self.index.chunk_path(key)
+            size = write_file(path, tensors, metadata)
+            self.index.add_chunk(key, path, size, self.fingerprint, fmt, start, end)
+            report.chunks_written += 1
+            report.bytes_written += size
+        self.index.touch(existing)
+        self.index.set_conversation(
+            ConversationCache(
+                conversation_id,
+                self.fingerprint,
+                fmt,
+                list(tokens),
+                self.chunk_tokens,
+                [k for k, _, _ in chunks],
+            )
+        )
+        report.seconds = time.perf_counter() - started
+        return report
+
+    # -- restore -----------------------------------------------------------------
+
+    def plan(
+        self, conversation_id: int, prompt: list[int]
+    ) -> tuple[ConversationCache | None, int, int]:
+        """(entry, tokens usable, bytes to read) for restoring toward `prompt`."""
+        entry = self.index.conversation(conversation_id)
+        if entry is None:
+            return None, 0, 0
+        usable = common_prefix_length(entry.tokens, prompt)
+        usable = min(usable, len(prompt) - 1)
+        size = 0
+        for key, start, _ in chunk_keys(
+            self.fingerprint, entry.kv_format, entry.tokens, entry.chunk_tokens
+        ):
+            if start >= usable:
+                break
+            row = self.index.chunk(key)
+            size += row["bytes"] if row else 0
+        return entry, usable, size
+
+    def restore(self, conversation_id: int, prompt: list[int]) -> RestoreResult:
+        """Rebuild the cache for the prefix `prompt` shares with the saved tokens."""
+        started = time.perf_counter()
+        entry = self.index.conversation(conversation_id)
+        if entry is None:
+            return RestoreResult(None, [], rejected="no saved cache")
+        try:
+            cache, restored, size = self._load(entry, prompt)
+        except CacheRejected as exc:
+            return RestoreResult(None, [], time.perf_counter() - started, rejected=exc.reason)
+        return RestoreResult(cache, entry.tokens[:restored], time.perf_counter() - started, size)
+
+    def _load(self, entry: ConversationCache, prompt: list[int]) -> tuple[list, int, int]:
+        if entry.model_fingerprint != self.fingerprint:
+            raise CacheRejected("saved for a different model")
+        usable = min(common_prefix_length(entry.tokens, prompt), len(prompt) - 1)
+        if usable <= 0:
+            raise CacheRejected("nothing in common with the conversation")
+        chunks = chunk_keys(self.fingerprint, entry.kv_format, entry.tokens, entry.chunk_tokens)
+        if [k for k, _, _ in chunks] != entry.chunk_keys:
+            raise CacheRejected("index does not match its tokens")
+        needed = [(k, s, e) for k, s, e in chunks if s < usable]
+        template = make_prompt_cache(self.loaded.model)
+        buffers: list[dict[str, mx.array]] | None = None
+        total = needed[-1][2]
+        size = 0
+        for key, start, end in needed:
+            row = self.index.chunk(key)
+            if row is None:
+                if start == 0:
+                    raise CacheRejected("cache files were evicted")
+                total = start  # a later chunk was evicted: restore what precedes it
+                break
+            tensors, metadata = read_file(
+                path_from_url(row["url"], self.index.root),
+                {
+                    "model": self.fingerprint,
+                    "kv_format": entry.kv_format,
+                    "key": key,
+                    "token_start": str(start),
+                    "token_end": str(end),
+                    "tokens_hash": _tokens_hash(entry.tokens[start:end]),
+                    "layers": str(len(template)),
+                },
+            )
+            classes = json.loads(metadata.get("classes", "[]"))
+            self._check_classes(classes, template)
+            if buffers is None:
+                buffers = self._allocate(tensors, metadata, len(template), total)
+            self._copy_in(buffers, tensors, metadata, start, end)
+            size += row["bytes"]
+        self.index.touch([k for k, _, _ in needed])
+        cache = self._build(classes, buffers, entry.kv_format, total)
+        restored = min(usable, total)
+        if total > restored:
+            trim_prompt_cache(cache, total - restored)
+        return cache, restored, size
+
+    def _check_classes(self, classes: list[str], template: list) -> None:
+        if len(classes) != len(template):
+            raise CacheRejected("layer count does not match the model")
+        for name, layer in zip(classes, template, strict=True):
+            if not isinstance(layer, KVCache):
+                raise CacheRejected(f"this model's {type(layer).__name__} layers are not chunked")
+            if name not in ALLOWED_CLASSES:
+                raise CacheRejected(f"unknown cache class {name!r}")
+
+    def _expected_shape(self, name: str, fmt: str, tokens: int) -> tuple[int, ...]:
+        heads = int(
+            self.loaded.config.get("num_key_value_heads")
+            or self.loaded.config["num_attention_heads"]
+        )
+        dim = self.loaded.head_dim
+        if fmt.startswith("q"):
+            bits, group = (int(x) for x in fmt[1:].split("g"))
+            widths = {"0": dim * bits // 32, "1": dim // group, "2": dim // group}
+            return (1, heads, tokens, widths[name.rsplit(".", 1)[-1]])
+        return (1, heads, tokens, dim)
+
+    def _allocate(self, tensors, metadata, layers: int, total: int) -> list[dict[str, mx.array]]:
+        buffers = []
+        for i in range(layers):
+            named = {}
+            for full_name, array in tensors.items():
+                layer, name = full_name.split(".", 1)
+                if int(layer) != i:
+                    continue
+                shape = self._expected_shape(name, metadata["kv_format"], total)
+                named[name] = mx.zeros(shape, dtype=_mx_dtype(array.dtype))
+            if not named:
+                raise CacheRejected(f"layer {i} is missing from the file")
+            buffers.append(named)
+        return buffers
+
+    def _copy_in(self, buffers, tensors, metadata, start: int, end: int) -> None:
+        expected = sum(len(b) for b in buffers)
+        if len(tensors) != expected:
+            raise CacheRejected("tensor count does not match the model")
+        for full_name, array in tensors.items():
+            layer, name = full_name.split(".", 1)
+            target = buffers[int(layer)].get(name)
+            want = self._expected_shape(name, metadata["kv_format"], end - start)
+            if target is None or tuple(array.shape) != want:
+                raise CacheRejected(f"{full_name} has the wrong shape {tuple(array.shape)}")
+            if _mx_dtype(array.dtype) != target.dtype:
+                raise CacheRejected(f"{full_name} has the wrong dtype {array.dtype}")
+            source = mx.array(array)
+            if target.dtype == mx.bfloat16:
+                source = source.view(mx.bfloat16)  # stored as its raw 16 bits
+            target[..., start:end, :] = source
+        mx.eval([list(b.values()) for b in buffers])
+
+    def _build(self, classes: list[str], buffers, fmt: str, total: int) -> list:
+        cache = []
+        for name, named in zip(classes, buffers, strict=True):
+            if name == "QuantizedKVCache":
+                bits, group = (int(x) for x in fmt[1:].split("g"))
+                layer = QuantizedKVCache(group_size=group, bits=bits)
+                layer.keys = tuple(named[f"k.{n}"] for n in range(3))
+                layer.values = tuple(named[f"v.{n}"] for n in range(3))
+            else:
+                layer = KVCache()
+                layer.keys, layer.values = named["k.0"], named["v.0"]
+            layer.offset = total
+            cache.append(layer)
+        return cache
+
+
+def _mx_dtype(np_dtype: np.dtype) -> mx.Dtype:
+    mapping = {
+        np.dtype("float32"): mx.float32,
+        np.dtype("float16"): mx.float16,
+        np.dtype("uint32"): mx.uint32,
+        np.dtype("uint16"): mx.bfloat16,
+    }
+    if np_dtype not in mapping:
+        raise CacheRejected(f"unsupported dtype {np_dtype}")
+    return mapping[np_dtype]

@@ -1,0 +1,322 @@
+"""Conversations and their messages, with branches and full-text search.
+
+Messages form a tree: each has a parent (NULL for a conversation's first).
+Editing a user message or regenerating a reply adds a sibling; the
+conversation's `current_message_id` names the leaf of the branch on screen,
+and the path from the root to it is what the model sees.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import sqlite_utils
+
+from sessions.errors import UserError
+
+TITLE_LENGTH = 60
+
+
+class NotFound(UserError):
+    pass
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+@dataclass
+class Message:
+    id: int
+    conversation_id: int
+    parent_id: int | None
+    role: str
+    content: str
+    state: str
+    stats: dict
+    created: str
+
+    @classmethod
+    def from_row(cls, row: dict) -> Message:
+        return cls(
+            id=row["id"],
+            conversation_id=row["conversation_id"],
+            parent_id=row["parent_id"],
+            role=row["role"],
+            content=row["content"] or "",
+            state=row["state"],
+            stats=json.loads(row["stats"] or "{}"),
+            created=row["created"],
+        )
+
+
+@dataclass
+class Conversation:
+    id: int
+    title: str
+    model: str
+    system_prompt: str | None
+    settings: dict
+    current_message_id: int | None
+    created: str
+    updated: str
+    messages: list[Message] = field(default_factory=list)  # the current branch, root first
+
+    @classmethod
+    def from_row(cls, row: dict) -> Conversation:
+        return cls(
+            id=row["id"],
+            title=row["title"] or "",
+            model=row["model"] or "",
+            system_prompt=row["system_prompt"],
+            settings=json.loads(row["settings"] or "{}"),
+            current_message_id=row["current_message_id"],
+            created=row["created"],
+            updated=row["updated"],
+        )
+
+    def chat_messages(self) -> list[dict]:
+        """The branch as the role/content dicts a chat template takes."""
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+class ConversationStore:
+    def __init__(self, db: sqlite_utils.Database) -> None:
+        self.db = db
+
+    # -- conversations ---------------------------------------------------------
+
+    def create(
+        self,
+        model: str,
+        system_prompt: str | None = None,
+        settings: dict | None = None,
+        title: str = "",
+    ) -> Conversation:
+        stamp = now()
+        table = self.db["conversations"]
+        table.insert(
+            {
+                "title": title,
+                "model": model,
+                "system_prompt": system_prompt,
+                "settings": json.dumps(settings or {}),
+                "current_message_id": None,
+                "created": stamp,
+                "updated": stamp,
+            }
+        )
+        return self.get(table.last_pk)
+
+    def get(self, conversation_id: int) -> Conversation:
+        rows = list(self.db["conversations"].rows_where("id = ?", [conversation_id]))
+        if not rows:
+            raise NotFound(f"No conversation {conversation_id}")
+        conversation = Conversation.from_row(rows[0])
+        conversation.messages = self.branch(conversation.current_message_id)
+        return conversation
+
+    def list(self) -> list[Conversation]:
+        """All conversations, most recently updated first (without their messages)."""
+        rows = self.db["conversations"].rows_where(order_by="updated desc, id desc")
+        return [Conversation.from_row(r) for r in rows]
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        self._update(conversation_id, title=title.strip())
+
+    def update_settings(self, conversation_id: int, **fields) -> None:
+        self._update(conversation_id, **fields)
+
+    def delete(self, conversation_id: int) -> None:
+        self.get(conversation_id)
+        with self.db.conn:
+            self.db["messages"].delete_where("conversation_id = ?", [conversation_id])
+            self.db["conversation_caches"].delete_where("conversation_id = ?", [conversation_id])
+            self.db["conversations"].delete(conversation_id)
+
+    def _update(self, conversation_id: int, **fields) -> None:
+        self.get(conversation_id)
+        self.db["conversations"].update(conversation_id, {**fields, "updated": now()})
+
+    # -- messages --------------------------------------------------------------
+
+    def add_message(
+        self,
+        conversation_id: int,
+        role: str,
+        content: str,
+        parent_id: int | None = None,
+        state: str = "complete",
+        stats: dict | None = None,
+    ) -> Message:
+        """Append a message under `parent_id` and make it the current branch's leaf.
+
+        Committed at once: a message exists on disk as soon as it exists.
+        """
+        conversation = self.get(conversation_id)
+        stamp = now()
+        with self.db.conn:
+            table = self.db["messages"]
+            table.insert(
+                {
+                    "conversation_id": conversation_id,
+                    "parent_id": parent_id,
+                    "role": role,
+                    "content": content,
+                    "state": state,
+                    "stats": json.dumps(stats or {}),
+                    "created": stamp,
+                    "updated": stamp,
+                }
+            )
+            message_id = table.last_pk
+            changes = {"current_message_id": message_id, "updated": stamp}
+            if role == "user" and not conversation.title:
+                changes["title"] = make_title(content)
+            self.db["conversations"].update(conversation_id, changes)
+        return self.message(message_id)
+
+    def message(self, message_id: int) -> Message:
+        rows = list(self.db["messages"].rows_where("id = ?", [message_id]))
+        if not rows:
+            raise NotFound(f"No message {message_id}")
+        return Message.from_row(rows[0])
+
+    def update_message(
+        self,
+        message_id: int,
+        content: str | None = None,
+        state: str | None = None,
+        stats: dict | None = None,
+    ) -> None:
+        changes: dict = {"updated": now()}
+        if content is not None:
+            changes["content"] = content
+        if state is not None:
+            changes["state"] = state
+        if stats is not None:
+            changes["stats"] = json.dumps(stats)
+        with self.db.conn:
+            self.db["messages"].update(message_id, changes)
+
+    def branch(self, leaf_id: int | None) -> list[Message]:
+        """The messages from the root down to `leaf_id`."""
+        path = []
+        while leaf_id is not None:
+            message = self.message(leaf_id)
+            path.append(message)
+            leaf_id = message.parent_id
+        return path[::-1]
+
+    def siblings(self, message_id: int) -> list[Message]:
+        """The alternatives to a message (itself included), oldest first."""
+        message = self.message(message_id)
+        where = "conversation_id = ? and parent_id is ?"
+        rows = self.db["messages"].rows_where(
+            where, [message.conversation_id, message.parent_id], order_by="id"
+        )
+        return [Message.from_row(r) for r in rows]
+
+    def select_branch(self, conversation_id: int, message_id: int) -> None:
+        """Show the branch through `message_id`, down to its newest descendant."""
+        leaf = message_id
+        while True:
+            rows = list(
+                self.db["messages"].rows_where("parent_id = ?", [leaf], order_by="id desc", limit=1)
+            )
+            if not rows:
+                break
+            leaf = rows[0]["id"]
+        self._update(conversation_id, current_message_id=leaf)
+
+    # -- search and export -----------------------------------------------------
+
+    def search(self, text: str, limit: int = 50) -> list[tuple[Conversation, Message]]:
+        """Messages whose text matches `text` (all words, any order), newest first."""
+        words = [w for w in text.replace('"', " ").split() if w]
+        if not words:
+            return []
+        query = " ".join(f'"{w}"' for w in words)
+        sql = (
+            "select messages.* from messages join messages_fts "
+            "on messages.rowid = messages_fts.rowid where messages_fts match ? "
+            "order by messages.id desc limit ?"
+        )
+        results = []
+        for row in self.db.query(sql, [query, limit]):
+            message = Message.from_row(row)
+            conversation = Conversation.from_row(
+                self.db["conversations"].get(message.conversation_id)
+            )
+            results.append((conversation, message))
+        return results
+
+    def export(self, conversation_id: int, fmt: str) -> str:
+        conversation = self.get(conversation_id)
+        if fmt == "json":
+            return json.dumps(
+                {
+                    "id": conversation.id,
+                    "title": conversation.title,
+                    "model": conversation.model,
+                    "system_prompt": conversation.system_prompt,
+                    "created": conversation.created,
+                    "messages": [
+                        {
+                            "role": m.role,
+                            "content": m.content,
+                            "created": m.created,
+                            "state": m.state,
+                        }
+                        for m in conversation.messages
+                    ],
+                },
+                indent=2,
+                ensure_ascii=False,
+            )
+        if fmt == "markdown":
+            lines = [
+                f"# {conversation.title or 'Untitled'}",
+                "",
+                f"*Model: {conversation.model}*",
+                "",
+            ]
+            if conversation.system_prompt:
+                lines += [f"> System: {conversation.system_prompt}", ""]
+            for m in conversation.messages:
+                lines += [f"**{m.role.capitalize()}:**", "", m.content, ""]
+            return "\n".join(lines)
+        raise UserError(f"Unknown export format {fmt!r} (use markdown or json)")
+
+
+def make_title(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
+
+
+class ReplyWriter:
+    """Commits a streaming reply at most every `interval` seconds, and at the end.
+
+    A process killed mid-reply loses at most the last interval of text.
+    """
+
+    def __init__(self, store: ConversationStore, message_id: int, interval: float = 1.0) -> None:
+        self.store = store
+        self.message_id = message_id
+        self.interval = interval
+        self.text = ""
+        self._saved_at = time.monotonic()
+
+    def append(self, delta: str) -> None:
+        self.text += delta
+        if time.monotonic() - self._saved_at >= self.interval:
+            self.store.update_message(self.message_id, content=self.text)
+            self._saved_at = time.monotonic()
+
+    def finish(self, state: str, stats: dict | None = None, text: str | None = None) -> None:
+        if text is not None:
+            self.text = text
+        self.store.update_message(self.message_id, content=self.text, state=state, stats=stats)

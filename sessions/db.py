@@ -1,0 +1,116 @@
+"""The SQLite database: opening it, and its schema as append-only migrations.
+
+One `Database` per thread (sqlite-utils ties a connection to the thread that
+made it). WAL mode lets the GUI read while the worker writes.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import sqlite_utils
+from sqlite_utils import Migrations
+
+from sessions import paths
+from sessions.errors import UserError
+
+DB_NAME = "reprise.db"
+
+migrations = Migrations("reprise")
+
+
+class NewerDatabase(UserError):
+    """The database was written by a newer Reprise; we refuse rather than damage it."""
+
+
+@migrations()
+def m001_conversations(db: sqlite_utils.Database) -> None:
+    db["conversations"].create(
+        {
+            "id": int,
+            "title": str,
+            "model": str,
+            "system_prompt": str,
+            "settings": str,  # JSON: sampling and KV settings used
+            "current_message_id": int,  # the leaf of the branch on screen
+            "created": str,
+            "updated": str,
+        },
+        pk="id",
+    )
+    db["messages"].create(
+        {
+            "id": int,
+            "conversation_id": int,
+            "parent_id": int,  # the message this one answers or follows; NULL for the first
+            "role": str,
+            "content": str,
+            "state": str,  # "complete", "streaming", "cancelled", "failed"
+            "stats": str,  # JSON TurnStats for assistant messages
+            "created": str,
+            "updated": str,
+        },
+        pk="id",
+        foreign_keys=[("conversation_id", "conversations", "id")],
+    )
+    db["messages"].create_index(["conversation_id"])
+    db["messages"].enable_fts(["content"], create_triggers=True, tokenize="porter")
+    db["settings"].create({"key": str, "value": str}, pk="key")
+
+
+@migrations()
+def m002_cache_index(db: sqlite_utils.Database) -> None:
+    db["cache_chunks"].create(
+        {
+            "key": str,  # hash of (model fingerprint, KV format, token prefix up to token_end)
+            "url": str,  # file:// URL inside the cache root
+            "model_fingerprint": str,
+            "kv_format": str,
+            "token_start": int,
+            "token_end": int,
+            "bytes": int,
+            "created": str,
+            "last_used": str,
+        },
+        pk="key",
+    )
+    db["conversation_caches"].create(
+        {
+            "conversation_id": int,
+            "model_fingerprint": str,
+            "kv_format": str,
+            "tokens": bytes,  # the exact token ids in the cache, int32 little-endian
+            "chunk_tokens": int,  # chunk length used when saving
+            "chunk_keys": str,  # JSON list, in token order
+            "updated": str,
+        },
+        pk="conversation_id",
+    )
+    db["cache_chunks"].create_index(["last_used"])
+
+
+@migrations()
+def m003_measurements(db: sqlite_utils.Database) -> None:
+    # Running estimates for the reopen planner: disk read bandwidth, and prefill
+    # rate per model and KV format.
+    db["measurements"].create({"key": str, "value": float, "updated": str}, pk="key")
+
+
+def open_db(path: Path | None = None) -> sqlite_utils.Database:
+    """Open (creating or upgrading) the database; refuse one from a newer Reprise."""
+    path = path or paths.data_dir() / DB_NAME
+    conn = sqlite3.connect(str(path), timeout=30)
+    db = sqlite_utils.Database(conn)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA foreign_keys=ON")
+    known = {m.name for m in migrations._migrations}
+    unknown = [m.name for m in migrations.applied(db) if m.name not in known]
+    if unknown:
+        conn.close()
+        raise NewerDatabase(
+            f"{path} was written by a newer version of Reprise (schema steps "
+            f"{', '.join(unknown)}); update Reprise to open it. Nothing was changed."
+        )
+    migrations.apply(db)
+    return db

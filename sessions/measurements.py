@@ -1,0 +1,26 @@
+"""Running estimates the reopen planner needs: read bandwidth, prefill rates."""
+
+from __future__ import annotations
+
+import sqlite_utils
+
+from sessions.cachefiles import now
+
+# Weight of the newest observation in the running average.
+_NEW_WEIGHT = 0.5
+
+
+class Measurements:
+    def __init__(self, db: sqlite_utils.Database) -> None:
+        self.db = db
+
+    def get(self, key: str) -> float | None:
+        rows = list(self.db["measurements"].rows_where("key = ?", [key]))
+        return rows[0]["value"] if rows else None
+
+    def observe(self, key: str, value: float) -> float:
+        """Blend `value` into the running estimate for `key`; return the new estimate."""
+        old = self.get(key)
+        new = value if old is None else (1 - _NEW_WEIGHT) * old + _NEW_WEIGHT * value
+        self.db["measurements"].upsert({"key": key, "value": new, "updated": now()}, pk="key")
+        return new
