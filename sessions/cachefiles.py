@@ -16,6 +16,7 @@ as numpy arrays with string metadata; the engine decides what they mean.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import zlib
@@ -49,7 +50,7 @@ class DiskFull(UserError):
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
 def kv_root() -> Path:
@@ -81,6 +82,8 @@ def path_from_url(url: str, root: Path | None = None) -> Path:
 def write_file(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> int:
     """Write a safetensors file atomically; return its size."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    # safetensors writes an array's underlying buffer: a strided view must be compacted first.
+    tensors = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
     metadata = {**metadata, "reprise.format": FORMAT_VERSION, "checksum": checksum(tensors)}
     tmp = path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{path.name}")
     try:
@@ -88,13 +91,14 @@ def write_file(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, s
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:
         tmp.unlink(missing_ok=True)
-        if exc.errno == 28:  # ENOSPC
+        # safetensors reports I/O failures as its own error, with the OS error in the text.
+        if getattr(exc, "errno", None) == errno.ENOSPC or "os error 28" in str(exc):
             raise DiskFull(
                 f"The disk is full; the conversation's cache was not saved ({path.parent})"
             ) from exc
-        raise
+        raise OSError(f"The cache file {path.name} could not be written: {exc}") from exc
     _fsync_dir(path.parent)
     return path.stat().st_size
 

@@ -177,16 +177,15 @@ class KVStore:
             report.chunks_written += 1
             report.bytes_written += size
         self.index.touch(existing)
+        previous = self.index.conversation(conversation_id)
+        keys = [k for k, _, _ in chunks]
         self.index.set_conversation(
             ConversationCache(
-                conversation_id,
-                self.fingerprint,
-                fmt,
-                list(tokens),
-                self.chunk_tokens,
-                [k for k, _, _ in chunks],
+                conversation_id, self.fingerprint, fmt, list(tokens), self.chunk_tokens, keys
             )
         )
+        if previous:  # typically the old partial last chunk
+            self.index.release(set(previous.chunk_keys) - set(keys))
         report.seconds = time.perf_counter() - started
         return report
 

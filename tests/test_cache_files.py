@@ -1,0 +1,284 @@
+"""The KV cache on disk, on the tiny model: save, restore, share, reject, evict."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import load_prompt_cache
+from safetensors.numpy import save_file
+
+from app.engine.chat import ChatSession
+from app.engine.conversation import CacheSaved, ConversationEngine, TurnOptions
+from app.engine.generation import KVSettings, SamplingSettings, TurnFinished
+from sessions.cachefiles import CacheIndex, path_from_url, read_file, write_file
+from sessions.db import open_db
+
+CHUNK = 16
+OPTIONS = TurnOptions(sampling=SamplingSettings.greedy(10))
+
+
+def new_engine(loaded, **kwargs) -> ConversationEngine:
+    """An engine with a fresh in-memory state, as in a new process."""
+    return ConversationEngine(open_db(), loaded, chunk_tokens=CHUNK, **kwargs)
+
+
+def turn(engine, conversation_id, text, options=OPTIONS) -> tuple[TurnFinished, CacheSaved]:
+    events = list(engine.send(conversation_id, text, options))
+    finished = next(e for e in events if isinstance(e, TurnFinished))
+    saved = next(e for e in events if isinstance(e, CacheSaved))
+    return finished, saved
+
+
+def fresh_reply(loaded, engine, conversation_id, options=OPTIONS) -> str:
+    """The reply computed with no cache at all, for the branch up to the last user message."""
+    messages = engine.store.get(conversation_id).chat_messages()[:-1]
+    *_, finished = ChatSession(loaded).reply(messages, sampling=options.sampling, kv=options.kv)
+    return finished.text
+
+
+@pytest.fixture
+def saved_conversation(tiny_model):
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    for text in ("hello there", "tell me more", "and then what happened"):
+        turn(engine, conversation.id, text)
+    return conversation.id
+
+
+def chunk_rows(conversation_id) -> list[dict]:
+    index = CacheIndex(open_db())
+    return [index.chunk(k) for k in index.conversation(conversation_id).chunk_keys]
+
+
+def test_reopening_restores_from_disk_and_matches_a_fresh_computation(
+    tiny_model, saved_conversation
+):
+    engine = new_engine(tiny_model)
+    saved_tokens = engine.index.conversation(saved_conversation).tokens
+    finished, _ = turn(engine, saved_conversation, "one more question")
+    extra = finished.stats.extra
+    assert extra["restore_source"] == "disk" and extra["cache_rejected"] is None
+    assert extra["restored_tokens"] == finished.stats.reused_tokens > 0
+    # Everything but the new message: the saved tokens, up to where the template re-renders them.
+    prompt = engine.session.render(engine.store.get(saved_conversation).chat_messages()[:-1])
+    shared = next(i for i, (a, b) in enumerate(zip(saved_tokens, prompt, strict=False)) if a != b)
+    assert finished.stats.reused_tokens == shared
+    assert finished.text == fresh_reply(tiny_model, engine, saved_conversation)
+
+
+def test_restore_fills_preallocated_buffers_of_the_exact_length(tiny_model, saved_conversation):
+    engine = new_engine(tiny_model)
+    entry = engine.index.conversation(saved_conversation)
+    result = engine.kvstore.restore(saved_conversation, [*entry.tokens, -1])
+    assert result.rejected is None and len(result.tokens) == len(entry.tokens)
+    layer = result.cache[0]
+    assert layer.offset == len(entry.tokens) == layer.keys.shape[2]
+
+
+def test_a_turn_writes_only_its_new_chunks(tiny_model):
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    turn(engine, conversation.id, "a first message that is long enough to fill chunks")
+    before = {r["key"] for r in chunk_rows(conversation.id)}
+    tokens_before = len(engine.session.tokens)
+    _, saved = turn(engine, conversation.id, "short")
+    after = chunk_rows(conversation.id)
+    new_tokens = len(engine.session.tokens) - tokens_before
+    # Untouched full chunks stay; only chunks from the last partial one on are written.
+    assert saved.report.chunks_reused == tokens_before // CHUNK
+    assert {r["key"] for r in after[: tokens_before // CHUNK]} <= before
+    bytes_per_token = after[0]["bytes"] / CHUNK
+    assert saved.report.bytes_written <= (new_tokens + CHUNK) * bytes_per_token * 1.05
+    # The replaced partial chunk is gone from disk.
+    assert CacheIndex(open_db()).usage()[0] == len(after)
+
+
+def test_branches_and_shared_prefixes_share_chunks(tiny_model):
+    engine = new_engine(tiny_model)
+    first = engine.store.create(tiny_model.name)
+    turn(engine, first.id, "the same long opening message for both conversations here")
+    second = engine.store.create(tiny_model.name)
+    _, saved = turn(engine, second.id, "the same long opening message for both conversations here")
+    assert saved.report.chunks_reused >= 2 and saved.report.chunks_written <= 1
+
+    user = engine.store.get(first.id).messages[0]
+    events = list(engine.edit(user.id, "the same long opening message for both, edited", OPTIONS))
+    saved = next(e for e in events if isinstance(e, CacheSaved))
+    assert saved.report.chunks_reused >= 1
+
+
+def corrupt(conversation_id, how):
+    db = open_db()
+    index = CacheIndex(db)
+    entry = index.conversation(conversation_id)
+    row = index.chunk(entry.chunk_keys[0])
+    path = path_from_url(row["url"])
+    if how == "missing file":
+        path.unlink()
+    elif how == "wrong model":
+        db.execute("update conversation_caches set model_fingerprint = 'another'")
+        db.conn.commit()
+    elif how == "bad checksum":
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[:100])
+    elif how in ("unknown class", "wrong shape"):
+        tensors, metadata = read_file(path, {})
+        if how == "unknown class":
+            metadata["classes"] = json.dumps(["os.system"] * len(json.loads(metadata["classes"])))
+        else:
+            tensors["0.k.0"] = tensors["0.k.0"][..., :-1]
+        write_file(path, tensors, {k: v for k, v in metadata.items() if k != "checksum"})
+    elif how == "foreign file":
+        save_file({"x": np.zeros(3, dtype=np.float32)}, str(path))
+    elif how == "outside the root":
+        db.execute(
+            "update cache_chunks set url = 'file:///etc/hostname' where key = ?", [row["key"]]
+        )
+        db.conn.commit()
+    elif how == "not a file URL":
+        db.execute(
+            "update cache_chunks set url = 'http://example.com/x' where key = ?", [row["key"]]
+        )
+        db.conn.commit()
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [
+        ("missing file", "file missing"),
+        ("wrong model", "different model"),
+        ("bad checksum", "checksum mismatch"),
+        ("truncated", "unreadable"),
+        ("unknown class", "unknown cache class"),
+        ("wrong shape", "wrong shape"),
+        ("foreign file", "not a Reprise cache file"),
+        ("outside the root", "outside the cache folder"),
+        ("not a file URL", "not a local file URL"),
+    ],
+)
+def test_a_bad_cache_is_not_used_and_the_turn_recomputes(
+    tiny_model, saved_conversation, how, reason
+):
+    corrupt(saved_conversation, how)
+    engine = new_engine(tiny_model)
+    finished, _ = turn(engine, saved_conversation, "are you still there")
+    assert finished.stats.extra["restore_source"] == "recompute"
+    assert reason in finished.stats.extra["cache_rejected"]
+    assert finished.stats.reused_tokens == 0
+    assert finished.text == fresh_reply(tiny_model, engine, saved_conversation)
+    # Nothing was lost: every message is still there.
+    assert len(engine.store.get(saved_conversation).messages) == 8
+
+
+def test_a_changed_history_reuses_only_what_still_matches(tiny_model, saved_conversation):
+    db = open_db()
+    first_reply = ConversationEngine(db, tiny_model).store.get(saved_conversation).messages[1]
+    db["messages"].update(first_reply.id, {"content": "something else entirely"})
+    engine = new_engine(tiny_model)
+    finished, _ = turn(engine, saved_conversation, "next")
+    assert finished.stats.extra["restore_source"] == "disk"
+    assert (
+        0
+        < finished.stats.reused_tokens
+        < len(engine.session.render(engine.store.get(saved_conversation).chat_messages()[:2]))
+    )
+    assert finished.text == fresh_reply(tiny_model, engine, saved_conversation)
+
+
+def test_verify_and_gc(tiny_model, saved_conversation, app_dirs):
+    index = CacheIndex(open_db())
+    assert index.verify() == []
+    corrupt(saved_conversation, "bad checksum")
+    bad = index.verify()
+    assert len(bad) == 1 and bad[0]["reason"].startswith("checksum mismatch")
+
+    stray = index.root / "ab" / ".tmp-123-abc.safetensors"
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"half a file")
+    orphan = index.root / "cd" / "cdorphan.safetensors"
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(b"x")
+    removed = index.collect_garbage()
+    assert removed["temp_files"] == 1 and removed["orphan_files"] == 1
+    assert not stray.exists() and not orphan.exists()
+
+
+def test_eviction_keeps_the_budget_and_only_costs_speed(tiny_model):
+    engine = new_engine(tiny_model)
+    old = engine.store.create(tiny_model.name)
+    turn(engine, old.id, "an old conversation nobody opened for a while")
+    one_conversation = CacheIndex(open_db()).usage()[1]
+    budget = int(one_conversation * 1.5)
+    engine = new_engine(tiny_model, budget_bytes=budget)
+    recent = engine.store.create(tiny_model.name)
+    turn(engine, recent.id, "a recent conversation with different words in it")
+    assert CacheIndex(open_db()).usage()[1] <= budget
+
+    reopened = new_engine(tiny_model)
+    finished, _ = turn(reopened, old.id, "hello again")
+    assert finished.stats.extra["restore_source"] == "recompute"
+    assert "evicted" in finished.stats.extra["cache_rejected"]
+    assert [m.role for m in reopened.store.get(old.id).messages] == ["user", "assistant"] * 2
+
+
+def test_quantized_caches_save_and_restore(tiny_model):
+    quantized = TurnOptions(
+        sampling=SamplingSettings.greedy(10),
+        kv=KVSettings(bits=8, group_size=32, quantized_kv_start=0),
+    )
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    turn(engine, conversation.id, "hello in eight bits", quantized)
+    assert CacheIndex(open_db()).conversation(conversation.id).kv_format == "q8g32"
+
+    reopened = new_engine(tiny_model)
+    finished, _ = turn(reopened, conversation.id, "still eight bits", quantized)
+    assert finished.stats.extra["restore_source"] == "disk"
+    assert finished.stats.kv_format == "8-bit (group 32)"
+    assert finished.text == fresh_reply(tiny_model, reopened, conversation.id, quantized)
+
+    # Full precision cannot be rebuilt from 8 bits: recompute, and say why.
+    finished, _ = turn(new_engine(tiny_model), conversation.id, "now full precision")
+    assert finished.stats.extra["restore_source"] == "recompute"
+    assert "cannot use" in finished.stats.extra["cache_rejected"]
+
+
+def test_the_planner_recomputes_when_that_is_faster(tiny_model, saved_conversation):
+    db = open_db()
+    engine = new_engine(tiny_model)
+    engine.measurements.observe("read_bytes_per_s", 1.0)  # a very slow disk
+    engine.measurements.observe(engine._prefill_key(), 1e6)
+    finished, _ = turn(engine, saved_conversation, "quick")
+    extra = finished.stats.extra
+    assert extra["restore_source"] == "recompute"
+    assert extra["estimate_recompute_s"] < extra["estimate_restore_s"]
+    assert "faster" in extra["cache_rejected"]
+    assert db["measurements"].count == 2
+
+
+def test_export_writes_a_plain_mlx_lm_prompt_cache(tiny_model, saved_conversation, tmp_path):
+    import shutil
+
+    from app.commands.store import _export
+    from sessions import paths
+
+    entry = CacheIndex(open_db()).conversation(saved_conversation)
+    out = tmp_path / "export.safetensors"
+    # The export finds the model by name in the library.
+    shutil.copytree(tiny_model.path, paths.models_dir() / tiny_model.name)
+    assert _export(open_db(), saved_conversation, out) == 0
+    cache, metadata = load_prompt_cache(str(out), return_metadata=True)
+    assert metadata["model"] == tiny_model.name
+    assert cache[0].offset == len(entry.tokens)
+    assert json.loads(metadata["tokens"]) == entry.tokens
+    # Same numbers as a live computation of those tokens.
+    live = ChatSession(tiny_model)
+    list(live.generate([*entry.tokens, entry.tokens[-1]], sampling=SamplingSettings.greedy(1)))
+    n = len(entry.tokens)
+    assert mx.allclose(cache[-1].keys[..., :n, :], live.cache[-1].keys[..., :n, :], atol=1e-4)

@@ -1,0 +1,155 @@
+"""Conversations, settings and the schema in real SQLite files (no model needed)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+import sqlite_utils
+
+from sessions import paths
+from sessions.conversations import ConversationStore, NotFound, ReplyWriter
+from sessions.db import NewerDatabase, migrations, open_db
+from sessions.settings import DEFAULTS, Settings
+
+
+@pytest.fixture
+def store() -> ConversationStore:
+    return ConversationStore(open_db())
+
+
+def test_database_lives_in_the_data_dir_in_wal_mode(app_dirs):
+    db = open_db()
+    assert (app_dirs["data"] / "reprise.db").is_file()
+    assert db.execute("pragma journal_mode").fetchone()[0] == "wal"
+
+
+def test_paths_honour_the_overrides(app_dirs):
+    assert paths.data_dir() == app_dirs["data"]
+    assert paths.cache_dir() == app_dirs["cache"]
+    assert paths.models_dir() == app_dirs["models"]
+
+
+def test_migrations_from_the_first_schema_keep_the_data(app_dirs):
+    path = paths.data_dir() / "reprise.db"
+    old = sqlite_utils.Database(path)
+    migrations.apply(old, stop_before="m002_cache_index")
+    assert not old["cache_chunks"].exists()
+    ConversationStore(old).create("m", title="kept")
+    old.close()
+
+    db = open_db(path)
+    assert db["cache_chunks"].exists() and db["measurements"].exists()
+    assert [c.title for c in ConversationStore(db).list()] == ["kept"]
+
+
+def test_a_database_from_a_newer_version_is_refused_untouched(app_dirs):
+    path = paths.data_dir() / "reprise.db"
+    db = open_db(path)
+    db.execute(
+        "insert into _sqlite_migrations (migration_set, name, applied_at) "
+        "values ('reprise', 'm999_from_the_future', '2030-01-01')"
+    )
+    db.conn.commit()
+    db.conn.close()  # checkpoints the WAL into the file
+    before = path.read_bytes()
+    with pytest.raises(NewerDatabase, match="newer version of Reprise"):
+        open_db(path)
+    assert path.read_bytes() == before
+
+
+def test_conversation_title_comes_from_the_first_message(store):
+    conversation = store.create("model-a")
+    store.add_message(conversation.id, "user", "  How do   I bake bread at home?  ")
+    assert store.get(conversation.id).title == "How do I bake bread at home?"
+    store.rename(conversation.id, "Bread")
+    assert store.get(conversation.id).title == "Bread"
+
+
+def test_list_is_newest_first(store):
+    first = store.create("m")
+    second = store.create("m")
+    store.add_message(first.id, "user", "bump")
+    assert [c.id for c in store.list()] == [first.id, second.id]
+
+
+def test_branches_from_edit_and_regenerate(store):
+    c = store.create("m")
+    q1 = store.add_message(c.id, "user", "question")
+    a1 = store.add_message(c.id, "assistant", "answer one", parent_id=q1.id)
+    a2 = store.add_message(c.id, "assistant", "answer two", parent_id=q1.id)
+    assert [m.content for m in store.get(c.id).messages] == ["question", "answer two"]
+    assert [m.id for m in store.siblings(a2.id)] == [a1.id, a2.id]
+
+    store.select_branch(c.id, a1.id)
+    assert [m.content for m in store.get(c.id).messages] == ["question", "answer one"]
+
+
+def test_select_branch_follows_to_the_newest_leaf(store):
+    c = store.create("m")
+    q1 = store.add_message(c.id, "user", "q1")
+    a1 = store.add_message(c.id, "assistant", "a1", parent_id=q1.id)
+    q2 = store.add_message(c.id, "user", "q2", parent_id=a1.id)
+    store.add_message(c.id, "user", "q1 edited")  # a sibling root
+    store.select_branch(c.id, q1.id)
+    assert store.get(c.id).current_message_id == q2.id
+
+
+def test_full_text_search_finds_words_in_any_order(store):
+    c = store.create("m")
+    store.add_message(c.id, "user", "The quick brown fox")
+    other = store.create("m")
+    store.add_message(other.id, "user", "A lazy dog sleeps")
+    hits = store.search("fox quick")
+    assert [(conv.id, m.content) for conv, m in hits] == [(c.id, "The quick brown fox")]
+    assert store.search("sleeping")[0][0].id == other.id  # porter stemming
+    assert store.search('"') == []
+
+
+def test_delete_removes_messages_and_search_hits(store):
+    c = store.create("m")
+    store.add_message(c.id, "user", "unique-word-here")
+    store.delete(c.id)
+    with pytest.raises(NotFound):
+        store.get(c.id)
+    assert store.search("unique") == []
+
+
+def test_export_markdown_and_json(store):
+    c = store.create("m", system_prompt="Be kind.")
+    q = store.add_message(c.id, "user", "Hi")
+    store.add_message(c.id, "assistant", "Hello! ```py\nprint(1)\n```", parent_id=q.id)
+    markdown = store.export(c.id, "markdown")
+    assert markdown.startswith("# Hi") and "**Assistant:**" in markdown and "print(1)" in markdown
+    data = json.loads(store.export(c.id, "json"))
+    assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
+    assert data["system_prompt"] == "Be kind."
+
+
+def test_reply_writer_commits_at_intervals_and_at_the_end(store, app_dirs):
+    c = store.create("m")
+    reply = store.add_message(c.id, "assistant", "", state="streaming")
+    writer = ReplyWriter(store, reply.id, interval=0.0)
+    writer.append("Hel")
+    # Another connection (another process, say) sees the text already.
+    other = sqlite3.connect(app_dirs["data"] / "reprise.db")
+    assert other.execute("select content from messages where id = ?", [reply.id]).fetchone() == (
+        "Hel",
+    )
+    writer.finish("complete", {"generated_tokens": 2}, "Hello")
+    m = store.message(reply.id)
+    assert (m.content, m.state, m.stats) == ("Hello", "complete", {"generated_tokens": 2})
+
+
+def test_settings_are_typed_with_defaults():
+    settings = Settings(open_db())
+    assert settings.get("temperature") == DEFAULTS["temperature"]
+    settings.set("temperature", "0.2")
+    settings.set("kv_bits", 4)
+    assert settings.get("temperature") == 0.2
+    assert Settings(open_db()).all()["kv_bits"] == 4
+    with pytest.raises(Exception, match="must be a float"):
+        settings.set("temperature", "warm")
+    with pytest.raises(Exception, match="Unknown setting"):
+        settings.set("colour", "blue")
