@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     cpu.add_argument("--model", help="model name or folder (default: the starter model)")
     cpu.add_argument("--prompt-tokens", type=int, default=512)
     cpu.add_argument("--json", action="store_true")
+    reopen = bench_commands.add_parser("reopen", help="restore from disk vs recompute")
+    reopen.add_argument("--model", help="model name or folder (default: the starter model)")
+    reopen.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096],
+                        help="history lengths to measure")
+    reopen.add_argument("--json", action="store_true")
     return parser
 
 
@@ -163,6 +168,10 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "reopen":
+        from app.bench import reopen
+
+        return reopen.main(args)
     from app.bench import cpu_path
 
     return cpu_path.main(args)

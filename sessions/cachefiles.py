@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -114,21 +115,32 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def read_file(path: Path, expect: dict[str, str]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Read and check a chunk file against `expect` (metadata that must match exactly)."""
+Loader = Callable[[Path], tuple[dict, dict[str, str]]]
+
+
+def load_numpy(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    with safe_open(str(path), framework="np") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+        return tensors, f.metadata() or {}
+
+
+def read_file(path: Path, expect: dict[str, str], load: Loader = load_numpy) -> tuple[dict, dict]:
+    """Read and check a chunk file against `expect` (metadata that must match exactly).
+
+    `load` reads the tensors; the engine passes one that reads straight into its own
+    arrays. Any array type that numpy can view (the buffer protocol) works.
+    """
     if not path.is_file():
         raise CacheRejected("file missing")
     try:
-        with safe_open(str(path), framework="np") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("reprise.format") != FORMAT_VERSION:
-                raise CacheRejected("not a Reprise cache file of this version")
-            for key, value in expect.items():
-                if metadata.get(key) != value:
-                    raise CacheRejected(f"{key} does not match")
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
-    except (SafetensorError, OSError, ValueError) as exc:
+        tensors, metadata = load(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise CacheRejected(f"unreadable file ({exc})") from exc
+    if metadata.get("reprise.format") != FORMAT_VERSION:
+        raise CacheRejected("not a Reprise cache file of this version")
+    for key, value in expect.items():
+        if metadata.get(key) != value:
+            raise CacheRejected(f"{key} does not match")
     if checksum(tensors) != metadata.get("checksum"):
         raise CacheRejected("checksum mismatch (damaged file)")
     return tensors, metadata

@@ -254,11 +254,12 @@ class KVStore:
                     "tokens_hash": _tokens_hash(entry.tokens[start:end]),
                     "layers": str(len(template)),
                 },
+                load=_load_mlx,
             )
             classes = json.loads(metadata.get("classes", "[]"))
             self._check_classes(classes, template)
             if buffers is None:
-                buffers = self._allocate(tensors, metadata, len(template), total)
+                buffers = self._collectors(tensors, len(template))
             self._copy_in(buffers, tensors, metadata, start, end)
             size += row["bytes"]
         self.index.touch([k for k, _, _ in needed])
@@ -289,7 +290,14 @@ class KVStore:
             return (1, heads, tokens, widths[name.rsplit(".", 1)[-1]])
         return (1, heads, tokens, dim)
 
-    def _allocate(self, tensors, metadata, layers: int, total: int) -> list[dict[str, mx.array]]:
+    def _collectors(self, tensors, layers: int) -> list[dict[str, list]]:
+        """Per layer and tensor, the list its chunks are collected in.
+
+        Chunks are joined once at the end into one buffer of the final length: one
+        allocation and one copy per byte. (mlx's slice assignment into a preallocated
+        array copied the whole buffer per chunk, so time grew with the square of the
+        length; fresh numpy buffers cost a page fault per 4 KiB on these machines.)
+        """
         buffers = []
         for i in range(layers):
             named = {}
@@ -297,8 +305,8 @@ class KVStore:
                 layer, name = full_name.split(".", 1)
                 if int(layer) != i:
                     continue
-                shape = self._expected_shape(name, metadata["kv_format"], total)
-                named[name] = mx.zeros(shape, dtype=_mx_dtype(array.dtype))
+                _check_dtype(array.dtype)
+                named[name] = []
             if not named:
                 raise CacheRejected(f"layer {i} is missing from the file")
             buffers.append(named)
@@ -310,21 +318,21 @@ class KVStore:
             raise CacheRejected("tensor count does not match the model")
         for full_name, array in tensors.items():
             layer, name = full_name.split(".", 1)
-            target = buffers[int(layer)].get(name)
+            pieces = buffers[int(layer)].get(name)
             want = self._expected_shape(name, metadata["kv_format"], end - start)
-            if target is None or tuple(array.shape) != want:
+            if pieces is None or tuple(array.shape) != want:
                 raise CacheRejected(f"{full_name} has the wrong shape {tuple(array.shape)}")
-            if _mx_dtype(array.dtype) != target.dtype:
+            if pieces and array.dtype != pieces[0].dtype:
                 raise CacheRejected(f"{full_name} has the wrong dtype {array.dtype}")
-            source = mx.array(array)
-            if target.dtype == mx.bfloat16:
-                source = source.view(mx.bfloat16)  # stored as its raw 16 bits
-            target[..., start:end, :] = source
-        mx.eval([list(b.values()) for b in buffers])
+            pieces.append(array)
 
     def _build(self, classes: list[str], buffers, fmt: str, total: int) -> list:
         cache = []
-        for name, named in zip(classes, buffers, strict=True):
+        for name, host in zip(classes, buffers, strict=True):
+            named = {
+                key: mx.concatenate([_to_mlx(piece) for piece in pieces], axis=2)
+                for key, pieces in host.items()
+            }
             if name == "QuantizedKVCache":
                 bits, group = (int(x) for x in fmt[1:].split("g"))
                 layer = QuantizedKVCache(group_size=group, bits=bits)
@@ -334,17 +342,26 @@ class KVStore:
                 layer = KVCache()
                 layer.keys, layer.values = named["k.0"], named["v.0"]
             layer.offset = total
+            if named["k.0"].shape[2] != total:
+                raise CacheRejected("restored length does not match")
             cache.append(layer)
+        mx.eval([(layer.keys, layer.values) for layer in cache])
         return cache
 
 
-def _mx_dtype(np_dtype: np.dtype) -> mx.Dtype:
-    mapping = {
-        np.dtype("float32"): mx.float32,
-        np.dtype("float16"): mx.float16,
-        np.dtype("uint32"): mx.uint32,
-        np.dtype("uint16"): mx.bfloat16,
-    }
-    if np_dtype not in mapping:
-        raise CacheRejected(f"unsupported dtype {np_dtype}")
-    return mapping[np_dtype]
+def _load_mlx(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Read a chunk file straight into mlx memory (cheaper here than fresh numpy buffers)."""
+    tensors, metadata = mx.load(str(path), return_metadata=True)
+    mx.eval(list(tensors.values()))
+    return tensors, metadata
+
+
+def _check_dtype(dtype: mx.Dtype) -> None:
+    if dtype not in (mx.float32, mx.float16, mx.uint32, mx.uint16):
+        raise CacheRejected(f"unsupported dtype {dtype}")
+
+
+def _to_mlx(array: mx.array) -> mx.array:
+    if array.dtype == mx.uint16:  # bfloat16, stored as its raw 16 bits
+        return array.view(mx.bfloat16)
+    return array

@@ -1,0 +1,116 @@
+"""`reprise bench reopen`: continuing a saved conversation vs recomputing it.
+
+For each history length, one run builds a conversation of about that many
+tokens, saves its cache, then measures side by side:
+
+- time to first token when a new engine (as after a restart) restores the
+  cache from disk, against recomputing the whole history with no cache;
+- the restore's time against a plain read of the same files' bytes;
+- bytes the reopened turn wrote against the KV bytes of the tokens it added.
+
+Everything happens in a temporary folder; the user's data is not touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from app.engine import loading, models
+from app.engine.chat import ChatSession
+from app.engine.conversation import CacheSaved, ConversationEngine, TurnOptions
+from app.engine.generation import SamplingSettings, TurnFinished
+from sessions import paths
+from sessions.cachefiles import path_from_url
+from sessions.db import open_db
+
+TEXT = Path(__file__).resolve().parents[2] / "resources" / "text" / "ordinary-english.txt"
+ONE_TOKEN = TurnOptions(sampling=SamplingSettings.greedy(1))
+
+
+def build_history(engine: ConversationEngine, conversation_id: int, target: int) -> None:
+    """Alternate user paragraphs and assistant echoes until the prompt is ~`target` tokens."""
+    paragraphs = [p for p in TEXT.read_text().split("\n\n") if p.strip()]
+    parent = None
+    i = 0
+    while True:
+        messages = engine.store.get(conversation_id).chat_messages()
+        if messages and len(engine.session.render(messages)) >= target:
+            return
+        text = paragraphs[i % len(paragraphs)]
+        role = "user" if i % 2 == 0 else "assistant"
+        parent = engine.store.add_message(conversation_id, role, text, parent_id=parent).id
+        i += 1
+
+
+def run_turn(engine, conversation_id, text) -> tuple[TurnFinished, CacheSaved]:
+    events = list(engine.send(conversation_id, text, ONE_TOKEN))
+    return events[-2], events[-1]
+
+
+def measure(loaded: loading.LoadedModel, target: int) -> dict:
+    db = open_db()
+    builder = ConversationEngine(db, loaded)
+    conversation = builder.store.create(loaded.name)
+    build_history(builder, conversation.id, target)
+    run_turn(builder, conversation.id, "Summarise this.")  # prefill all, save the cache
+    entry = builder.index.conversation(conversation.id)
+    files = [path_from_url(builder.index.chunk(k)["url"]) for k in entry.chunk_keys]
+    cache_bytes = sum(f.stat().st_size for f in files)
+
+    started = time.perf_counter()
+    for f in files:
+        f.read_bytes()
+    raw_read_s = time.perf_counter() - started
+
+    reopened = ConversationEngine(open_db(), loaded)  # a new engine, as after a restart
+    restored, saved = run_turn(reopened, conversation.id, "And in one word?")
+    extra = restored.stats.extra
+    assert extra["restore_source"] == "disk", extra
+
+    prompt = reopened.session.render(reopened.store.get(conversation.id).chat_messages()[:-1])
+    fresh = ChatSession(loaded)
+    *_, recomputed = fresh.generate(prompt, sampling=ONE_TOKEN.sampling)
+
+    new_tokens = restored.stats.prompt_tokens + 1 - extra["restored_tokens"]
+    kv_bytes_per_token = cache_bytes / len(entry.tokens)
+    return {
+        "history_tokens": len(entry.tokens),
+        "cache_bytes": cache_bytes,
+        "restore_s": extra["restore_s"],
+        "raw_read_s": raw_read_s,
+        "restore_vs_raw_read": extra["restore_s"] / raw_read_s,
+        "ttft_restore_s": restored.stats.ttft_s,
+        "ttft_recompute_s": recomputed.stats.ttft_s,
+        "reopen_speedup": recomputed.stats.ttft_s / restored.stats.ttft_s,
+        "turn_new_tokens": new_tokens,
+        "turn_bytes_written": saved.report.bytes_written,
+        "written_vs_new_kv_bytes": saved.report.bytes_written / (new_tokens * kv_bytes_per_token),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    model_dir = models.resolve(args.model, paths.models_dir())
+    loaded = loading.load(model_dir)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="reprise-bench-") as scratch:
+        os.environ["REPRISE_DATA_DIR"] = str(Path(scratch) / "data")
+        os.environ["REPRISE_CACHE_DIR"] = str(Path(scratch) / "cache")
+        for target in args.tokens:
+            rows.append(measure(loaded, target))
+    result = {"model": model_dir.name, "compute": loaded.compute.describe(), "rows": rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"model: {result['model']}   engine path: {result['compute']}")
+    print(f"{'history':>8} {'cache MB':>9} {'TTFT restore':>13} {'TTFT recompute':>15} "
+          f"{'speedup':>8} {'restore/raw read':>17} {'written/new KV':>15}")
+    for r in rows:
+        print(f"{r['history_tokens']:8} {r['cache_bytes'] / 1e6:9.1f} {r['ttft_restore_s']:12.3f}s "
+              f"{r['ttft_recompute_s']:14.3f}s {r['reopen_speedup']:7.1f}x "
+              f"{r['restore_vs_raw_read']:16.2f}x {r['written_vs_new_kv_bytes']:14.2f}x")
+    return 0
