@@ -93,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     cpu.add_argument("--json", action="store_true")
     reopen = bench_commands.add_parser("reopen", help="restore from disk vs recompute")
     reopen.add_argument("--model", help="model name or folder (default: the starter model)")
-    reopen.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096],
-                        help="history lengths to measure")
+    reopen.add_argument(
+        "--tokens", type=int, nargs="+", default=[1024, 4096], help="history lengths to measure"
+    )
     reopen.add_argument("--json", action="store_true")
     return parser
 
@@ -104,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     from app.engine.errors import UserError
 
     try:
-        if args.command is None or args.command == "chat":
+        if args.command is None:
+            import app.engine  # noqa: F401  (OpenBLAS before mlx, before Qt starts the worker)
+            from app.ui.app import run
+
+            return run()
+        if args.command == "chat":
             return _chat(args)
         if args.command == "models":
             return _models(args)
@@ -125,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    if args.command is None:  # the GUI comes with the desktop-app issue; chat meanwhile
-        args = build_parser().parse_args(["chat"])
     from app.commands import chat
 
     return chat.run(args)

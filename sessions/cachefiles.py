@@ -286,6 +286,12 @@ class CacheIndex:
             freed += row["bytes"]
         return freed
 
+    def clear(self) -> None:
+        """Forget every conversation's cache and delete every chunk file."""
+        with self.db.conn:
+            self.db["conversation_caches"].delete_where()
+        self.collect_garbage()
+
     def release(self, keys: set[str]) -> None:
         """Delete those of `keys` that no conversation uses any more."""
         for key in keys - self.referenced_keys():

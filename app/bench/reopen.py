@@ -107,10 +107,14 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"model: {result['model']}   engine path: {result['compute']}")
-    print(f"{'history':>8} {'cache MB':>9} {'TTFT restore':>13} {'TTFT recompute':>15} "
-          f"{'speedup':>8} {'restore/raw read':>17} {'written/new KV':>15}")
+    print(
+        f"{'history':>8} {'cache MB':>9} {'TTFT restore':>13} {'TTFT recompute':>15} "
+        f"{'speedup':>8} {'restore/raw read':>17} {'written/new KV':>15}"
+    )
     for r in rows:
-        print(f"{r['history_tokens']:8} {r['cache_bytes'] / 1e6:9.1f} {r['ttft_restore_s']:12.3f}s "
-              f"{r['ttft_recompute_s']:14.3f}s {r['reopen_speedup']:7.1f}x "
-              f"{r['restore_vs_raw_read']:16.2f}x {r['written_vs_new_kv_bytes']:14.2f}x")
+        print(
+            f"{r['history_tokens']:8} {r['cache_bytes'] / 1e6:9.1f} {r['ttft_restore_s']:12.3f}s "
+            f"{r['ttft_recompute_s']:14.3f}s {r['reopen_speedup']:7.1f}x "
+            f"{r['restore_vs_raw_read']:16.2f}x {r['written_vs_new_kv_bytes']:14.2f}x"
+        )
     return 0

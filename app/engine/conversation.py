@@ -96,7 +96,7 @@ class ConversationEngine:
         text: str,
         options: TurnOptions,
         should_stop: Callable[[], bool] = lambda: False,
-    ) -> Iterator[Event | CacheSaved]:
+    ) -> Iterator[Event | RestoreInfo | CacheSaved]:
         conversation = self.store.get(conversation_id)
         user = self.store.add_message(
             conversation_id, "user", text, parent_id=conversation.current_message_id
@@ -108,7 +108,7 @@ class ConversationEngine:
         conversation_id: int,
         options: TurnOptions,
         should_stop: Callable[[], bool] = lambda: False,
-    ) -> Iterator[Event | CacheSaved]:
+    ) -> Iterator[Event | RestoreInfo | CacheSaved]:
         """A new sibling of the last reply (the old one stays, as another branch)."""
         messages = self.store.get(conversation_id).messages
         if not messages:
@@ -123,7 +123,7 @@ class ConversationEngine:
         text: str,
         options: TurnOptions,
         should_stop: Callable[[], bool] = lambda: False,
-    ) -> Iterator[Event | CacheSaved]:
+    ) -> Iterator[Event | RestoreInfo | CacheSaved]:
         """A new sibling of a user message with `text`, and a reply to it."""
         original = self.store.message(message_id)
         edited = self.store.add_message(
@@ -139,12 +139,13 @@ class ConversationEngine:
         parent_id: int,
         options: TurnOptions,
         should_stop: Callable[[], bool],
-    ) -> Iterator[Event | CacheSaved]:
+    ) -> Iterator[Event | RestoreInfo | CacheSaved]:
         self.store.update_settings(conversation_id, current_message_id=parent_id)
         conversation = self.store.get(conversation_id)
         system = options.system if options.system is not None else conversation.system_prompt
         prompt = self.session.render(conversation.chat_messages(), system)
         restore = self._prepare_cache(conversation_id, prompt, options.kv)
+        yield restore
 
         reply = self.store.add_message(
             conversation_id, "assistant", "", parent_id=parent_id, state="streaming"

@@ -1,0 +1,1 @@
+"""The desktop window: widgets only; the engine runs in app.worker."""

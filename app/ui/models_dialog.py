@@ -1,0 +1,111 @@
+"""The model library: list, delete, import a GGUF file (with progress)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QDialog,
+    QFileDialog,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QMessageBox,
+    QProgressBar,
+    QPushButton,
+    QTreeWidget,
+    QTreeWidgetItem,
+    QVBoxLayout,
+)
+
+from app.engine import models
+from sessions import paths
+
+
+class ModelsDialog(QDialog):
+    import_requested = Signal(str, str)  # path, name
+
+    def __init__(self, worker, parent=None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Models")
+        self.resize(640, 380)
+        self.table = QTreeWidget()
+        self.table.setHeaderLabels(["Name", "Size", "Architecture", "Weights", "Source"])
+        self.table.setRootIsDecorated(False)
+        self.progress = QProgressBar()
+        self.progress.hide()
+        self.message = QLabel("")
+        import_button = QPushButton("Import GGUF…")
+        delete_button = QPushButton("Delete")
+        close_button = QPushButton("Close")
+        buttons = QHBoxLayout()
+        buttons.addWidget(import_button)
+        buttons.addWidget(delete_button)
+        buttons.addStretch(1)
+        buttons.addWidget(close_button)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.table)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.message)
+        layout.addLayout(buttons)
+        import_button.clicked.connect(self.choose_gguf)
+        delete_button.clicked.connect(self.delete_selected)
+        close_button.clicked.connect(self.accept)
+        self.import_requested.connect(worker.import_gguf)
+        worker.import_progress.connect(self.on_progress)
+        worker.import_done.connect(self.on_done)
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.table.clear()
+        for m in models.list_models(paths.models_dir()):
+            self.table.addTopLevelItem(
+                QTreeWidgetItem(
+                    [
+                        m.name,
+                        f"{m.size_bytes / 1e6:.0f} MB",
+                        m.architecture,
+                        m.quantization,
+                        m.source,
+                    ]
+                )
+            )
+        self.table.resizeColumnToContents(0)
+
+    def choose_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(
+            self, "Import GGUF", str(Path.home()), "GGUF models (*.gguf)"
+        )
+        if not path:
+            return
+        name, ok = QInputDialog.getText(self, "Import GGUF", "Model name:", text=Path(path).stem)
+        if ok:
+            self.start_import(path, name)
+
+    def start_import(self, path: str, name: str) -> None:
+        self.progress.setRange(0, 4)
+        self.progress.setValue(0)
+        self.progress.show()
+        self.message.setText(f"Importing {Path(path).name}…")
+        self.import_requested.emit(path, name)
+
+    def on_progress(self, stage: str, done: int, total: int) -> None:
+        self.progress.setRange(0, total)
+        self.progress.setValue(done)
+        self.message.setText(stage)
+
+    def on_done(self, name: str) -> None:
+        self.progress.hide()
+        self.message.setText(f"Imported {name}" if name else "The import failed")
+        self.refresh()
+
+    def delete_selected(self) -> None:
+        item = self.table.currentItem()
+        if item is None:
+            return
+        name = item.text(0)
+        answer = QMessageBox.question(self, "Delete model", f"Delete {name} from disk?")
+        if answer == QMessageBox.StandardButton.Yes:
+            models.delete(name, paths.models_dir())
+            self.refresh()

@@ -1,0 +1,175 @@
+"""Preferences: generation, memory (KV cache quantization), storage.
+
+Values live in SQLite (sessions.settings); changes apply to the next turn.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QUrl, Signal
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from sessions import paths
+from sessions.settings import Settings
+
+KV_CHOICES = [
+    (None, "Off (16-bit)", "Full precision: the most memory, the reference quality."),
+    (8, "8-bit", "About half the memory of 16-bit; replies are practically unchanged."),
+    (4, "4-bit", "About a quarter of the memory; small models may repeat themselves."),
+]
+GIB = 2**30
+
+
+class PreferencesDialog(QDialog):
+    clear_caches_requested = Signal()
+
+    def __init__(self, settings: Settings, cache_usage_bytes: int, parent=None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Preferences")
+        self.settings = settings
+        values = settings.all()
+        tabs = QTabWidget()
+        tabs.addTab(self._generation_tab(values), "Generation")
+        tabs.addTab(self._memory_tab(values), "Memory")
+        tabs.addTab(self._storage_tab(values, cache_usage_bytes), "Storage")
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+        )
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        layout = QVBoxLayout(self)
+        layout.addWidget(tabs)
+        layout.addWidget(buttons)
+        self.resize(520, 420)
+
+    def _generation_tab(self, values: dict) -> QWidget:
+        page = QWidget()
+        form = QFormLayout(page)
+        self.temperature = self._double(0.0, 2.0, 0.05, values["temperature"])
+        self.top_p = self._double(0.0, 1.0, 0.01, values["top_p"])
+        self.min_p = self._double(0.0, 1.0, 0.01, values["min_p"])
+        self.repetition_penalty = self._double(0.5, 2.0, 0.01, values["repetition_penalty"])
+        self.max_tokens = self._int(1, 32768, values["max_tokens"])
+        self.system_prompt = QPlainTextEdit(values["system_prompt"] or "")
+        self.system_prompt.setPlaceholderText("The model's own default")
+        form.addRow("Temperature", self.temperature)
+        form.addRow("Top-p", self.top_p)
+        form.addRow("Min-p", self.min_p)
+        form.addRow("Repetition penalty", self.repetition_penalty)
+        form.addRow("Max reply tokens", self.max_tokens)
+        form.addRow("Default system prompt", self.system_prompt)
+        return page
+
+    def _memory_tab(self, values: dict) -> QWidget:
+        page = QWidget()
+        form = QFormLayout(page)
+        self.kv_bits = QComboBox()
+        for bits, label, _ in KV_CHOICES:
+            self.kv_bits.addItem(label, bits)
+        self.kv_bits.setCurrentIndex([c[0] for c in KV_CHOICES].index(values["kv_bits"]))
+        self.kv_explanation = QLabel()
+        self.kv_explanation.setWordWrap(True)
+        self.kv_bits.currentIndexChanged.connect(self._explain_kv)
+        self.kv_group_size = QComboBox()
+        for size in (32, 64, 128):
+            self.kv_group_size.addItem(str(size), size)
+        self.kv_group_size.setCurrentText(str(values["kv_group_size"]))
+        self.quantized_kv_start = self._int(0, 1_000_000, values["quantized_kv_start"])
+        self.kv_warning = QLabel()
+        self.kv_warning.setWordWrap(True)
+        self.kv_warning.setStyleSheet("color: #a60")
+        form.addRow("KV cache quantization", self.kv_bits)
+        form.addRow("", self.kv_explanation)
+        form.addRow("Group size", self.kv_group_size)
+        form.addRow("Quantize after (tokens)", self.quantized_kv_start)
+        form.addRow("", self.kv_warning)
+        self._initial_kv = (values["kv_bits"], values["kv_group_size"])
+        self.kv_group_size.currentIndexChanged.connect(self._explain_kv)
+        self._explain_kv()
+        return page
+
+    def _storage_tab(self, values: dict, usage: int) -> QWidget:
+        page = QWidget()
+        form = QFormLayout(page)
+        self.budget = self._double(0.1, 10_000, 0.5, values["cache_budget_bytes"] / GIB)
+        self.budget.setSuffix(" GiB")
+        self.usage_label = QLabel(f"{usage / 1e6:.1f} MB in {paths.cache_dir() / 'kv'}")
+        clear = QPushButton("Clear caches")
+        clear.clicked.connect(self.clear_caches_requested)
+        open_folder = QPushButton("Open cache folder")
+        open_folder.clicked.connect(
+            lambda: QDesktopServices.openUrl(QUrl.fromLocalFile(str(paths.cache_dir())))
+        )
+        row = QHBoxLayout()
+        row.addWidget(clear)
+        row.addWidget(open_folder)
+        form.addRow("Disk budget", self.budget)
+        form.addRow("In use", self.usage_label)
+        form.addRow(
+            "",
+            QLabel(
+                "Clearing or evicting caches only makes reopening slower; no text is ever lost."
+            ),
+        )
+        form.addRow(row)
+        return page
+
+    def _explain_kv(self) -> None:
+        self.kv_explanation.setText(KV_CHOICES[self.kv_bits.currentIndex()][2])
+        now = (self.kv_bits.currentData(), self.kv_group_size.currentData())
+        changed = now != self._initial_kv and self._initial_kv[0] is not None
+        self.kv_warning.setText(
+            "Caches saved in the current quantized format cannot be used with this setting; "
+            "those conversations recompute once when reopened."
+            if changed
+            else ""
+        )
+
+    @staticmethod
+    def _double(low: float, high: float, step: float, value: float) -> QDoubleSpinBox:
+        box = QDoubleSpinBox()
+        box.setRange(low, high)
+        box.setSingleStep(step)
+        box.setDecimals(2)
+        box.setValue(value)
+        return box
+
+    @staticmethod
+    def _int(low: int, high: int, value: int) -> QSpinBox:
+        box = QSpinBox()
+        box.setRange(low, high)
+        box.setValue(value)
+        return box
+
+    def values(self) -> dict:
+        return {
+            "temperature": self.temperature.value(),
+            "top_p": self.top_p.value(),
+            "min_p": self.min_p.value(),
+            "repetition_penalty": self.repetition_penalty.value(),
+            "max_tokens": self.max_tokens.value(),
+            "system_prompt": self.system_prompt.toPlainText(),
+            "kv_bits": self.kv_bits.currentData(),
+            "kv_group_size": self.kv_group_size.currentData(),
+            "quantized_kv_start": self.quantized_kv_start.value(),
+            "cache_budget_bytes": int(self.budget.value() * GIB),
+        }
+
+    def accept(self) -> None:
+        for key, value in self.values().items():
+            self.settings.set(key, value)
+        super().accept()
