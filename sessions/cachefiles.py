@@ -265,11 +265,14 @@ class CacheIndex:
         return summary
 
     def delete_chunk(self, key: str) -> None:
+        """Row first, then file: a crash in between leaves an orphan file for gc,
+        never a row pointing at nothing."""
         row = self.chunk(key)
+        with self.db.conn:
+            self.db["cache_chunks"].delete_where("key = ?", [key])
         if row:
             with contextlib.suppress(CacheRejected):  # never delete outside the cache root
                 path_from_url(row["url"], self.root).unlink(missing_ok=True)
-        self.db["cache_chunks"].delete_where("key = ?", [key])
 
     def evict_to_budget(self, budget_bytes: int, keep: set[str] = frozenset()) -> int:
         """Delete least-recently-used chunks until the cache fits; return bytes freed."""

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# Qt tests run without a display; a real window is looked at under Xvfb (README).
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 import app.engine  # noqa: F401  (loads OpenBLAS before anything imports mlx)

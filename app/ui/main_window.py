@@ -152,7 +152,8 @@ class MainWindow(QMainWindow):
         worker.saved.connect(self.on_saved)
         worker.busy_changed.connect(self.on_busy)
         self.composer.send_requested.connect(self.send)
-        self.composer.stop_requested.connect(worker.stop)  # a direct call: sets a flag
+        # Direct, not queued: the worker thread is busy generating; this only sets a flag.
+        self.composer.stop_requested.connect(worker.stop, Qt.ConnectionType.DirectConnection)
         self.chat.action.connect(self.on_chat_action)
         self.sidebar.new_requested.connect(self.new_chat)
         self.sidebar.conversation_selected.connect(self.show_conversation)

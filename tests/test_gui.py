@@ -1,0 +1,169 @@
+"""The window, driven as a user would, on the real starter model (Qt offscreen)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QInputDialog
+
+from app.ui.main_window import MainWindow
+from app.ui.preferences import PreferencesDialog
+from sessions import paths
+from sessions.settings import Settings
+
+READY_MS = 120_000
+
+
+@pytest.fixture
+def library(starter_model_dir):
+    (paths.models_dir() / starter_model_dir.name).symlink_to(starter_model_dir)
+
+
+@pytest.fixture
+def open_window(qtbot, library):
+    windows = []
+
+    def start() -> MainWindow:
+        window = MainWindow()
+        qtbot.addWidget(window)
+        window.show()
+        qtbot.waitUntil(lambda: window.model_state.text().startswith("Ready"), timeout=READY_MS)
+        windows.append(window)
+        return window
+
+    yield start
+    for window in windows:
+        window.close()
+
+
+def send(qtbot, window, text, greedy_tokens=40):
+    Settings(window.db).set("temperature", 0.0)
+    Settings(window.db).set("max_tokens", greedy_tokens)
+    window.composer.edit.setPlainText(text)
+    window.composer.edit.submitted.emit()  # what Enter does
+    wait_reply(qtbot, window)
+
+
+def wait_reply(qtbot, window):
+    """Until the reply is finished and the view shows the stored messages."""
+    qtbot.waitUntil(
+        lambda: not window.generating and window.chat.messages[-1].id > 0, timeout=READY_MS
+    )
+
+
+def test_send_streams_a_reply_and_stores_it(qtbot, open_window):
+    window = open_window()
+    deltas = []
+    window.engine.worker.text_delta.connect(deltas.append)
+    send(qtbot, window, "What is the capital of France?")
+    assert len(deltas) > 1
+    assert "Paris" in window.chat.toPlainText()
+    roles = [m.role for m in window.chat.messages]
+    assert roles == ["user", "assistant"]
+    assert window.sidebar.list.count() == 1
+    assert "tok/s" in window.stats_text.text()
+
+
+def test_stop_ends_the_reply_early(qtbot, open_window):
+    window = open_window()
+    Settings(window.db).set("max_tokens", 2000)
+    window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
+    window.composer.edit.submitted.emit()
+    qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
+    assert window.composer.button.text() == "Stop"
+    window.composer.button.click()
+    qtbot.waitUntil(lambda: not window.generating, timeout=READY_MS)
+    last = window.store.get(window.conversation_id).messages[-1]
+    assert last.state == "cancelled"
+    assert last.stats["generated_tokens"] < 2000
+    assert window.composer.button.text() == "Send"
+
+
+def test_regenerate_and_edit_make_branches(qtbot, open_window, monkeypatch):
+    window = open_window()
+    send(qtbot, window, "Name a colour.")
+    first_reply = window.chat.messages[-1].id
+    Settings(window.db).set("temperature", 1.0)
+    window.on_chat_action("regenerate", 0)
+    wait_reply(qtbot, window)
+    assert window.chat.messages[-1].branch == (2, 2)
+    assert "2/2" in window.chat.toPlainText()
+    window.on_chat_action("branch-prev", window.chat.messages[-1].id)
+    assert window.chat.messages[-1].id == first_reply
+
+    user = window.chat.messages[0].id
+    # The user types the new text into the Edit dialog.
+    monkeypatch.setattr(QInputDialog, "getMultiLineText", lambda *args: ("Name a fruit.", True))
+    window.on_chat_action("edit", user)
+    wait_reply(qtbot, window)
+    assert window.chat.messages[0].content == "Name a fruit."
+    assert window.chat.messages[0].branch == (2, 2)
+
+
+def test_reopening_after_a_restart_resumes_from_disk(qtbot, open_window):
+    window = open_window()
+    send(qtbot, window, "Tell me about the moon.")
+    conversation = window.conversation_id
+    window.close()
+
+    reopened = open_window()
+    reopened.sidebar.list.setCurrentRow(0)
+    assert reopened.conversation_id == conversation
+    send(qtbot, reopened, "And the sun?")
+    assert reopened.status_text.text().startswith("Resumed from saved cache:")
+
+
+def test_search_filters_the_conversation_list(qtbot, open_window):
+    window = open_window()
+    send(qtbot, window, "Tell me about penguins.", greedy_tokens=8)
+    window.new_chat()
+    send(qtbot, window, "Tell me about volcanoes.", greedy_tokens=8)
+    assert window.sidebar.list.count() == 2
+    window.sidebar.search.setText("penguins")
+    assert window.sidebar.list.count() == 1
+    assert window.sidebar.list.item(0).text().startswith("Tell me about penguins.")
+    window.sidebar.search.clear()
+    assert window.sidebar.list.count() == 2
+
+
+def test_preferences_persist(qtbot, library):
+    from sessions.db import open_db
+
+    settings = Settings(open_db())
+    dialog = PreferencesDialog(settings, 0)
+    qtbot.addWidget(dialog)
+    dialog.temperature.setValue(0.3)
+    dialog.kv_bits.setCurrentIndex(1)  # 8-bit
+    dialog.max_tokens.setValue(333)
+    dialog.accept()
+    again = Settings(open_db())
+    assert (again.get("temperature"), again.get("kv_bits"), again.get("max_tokens")) == (
+        0.3,
+        8,
+        333,
+    )
+    reopened = PreferencesDialog(again, 0)
+    qtbot.addWidget(reopened)
+    assert reopened.kv_bits.currentText() == "8-bit"
+    reopened.kv_bits.setCurrentIndex(2)
+    assert "cannot be used" in reopened.kv_warning.text()
+
+
+def test_the_event_loop_stays_responsive_during_a_reply(qtbot, open_window, capsys):
+    window = open_window()
+    ticks = []
+    timer = QTimer(interval=10)
+    timer.timeout.connect(lambda: ticks.append(time.perf_counter()))
+    timer.start()
+    send(qtbot, window, "Describe a forest in a few sentences.", greedy_tokens=60)
+    timer.stop()
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    assert len(ticks) > 10
+    with capsys.disabled():
+        print(
+            f"\nlargest event-loop gap during a reply: {max(gaps) * 1000:.0f} ms "
+            f"over {len(ticks)} ticks"
+        )
