@@ -82,12 +82,14 @@ def message_html(message: RenderedMessage) -> str:
     thinking, answer = split_thinking(message.content)
     parts = []
     if thinking is not None:
-        verb = "Hide" if message.show_thinking else "Show"
+        # Reasoning with no answer yet (still thinking, or stopped there) is shown open.
+        show = message.show_thinking or not answer
+        verb = "Hide" if show else "Show"
         parts.append(
             f'<p style="color:#777"><i>Reasoning</i> — '
             f'<a href="action:think:{message.id}">{verb}</a></p>'
         )
-        if message.show_thinking:
+        if show:
             parts.append(
                 f'<div style="color:#777; margin-left:12px">'
                 f"{markdown_html(thinking, message.id)}</div>"

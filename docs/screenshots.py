@@ -1,0 +1,114 @@
+"""Take the README's screenshots: the real app in a real X window (run under Xvfb).
+
+    xvfb-run -s "-screen 0 1280x800x24" .venv/bin/python docs/screenshots.py docs/
+
+The first exchange is seeded into a scratch database: the starter model does not
+write <think> reasoning, so that reply is typed in here to show how reasoning
+blocks look. The follow-up question is answered live by the starter model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs")
+scratch = Path(tempfile.mkdtemp(prefix="reprise-shots-"))
+os.environ["REPRISE_DATA_DIR"] = str(scratch / "data")
+os.environ["REPRISE_CACHE_DIR"] = str(scratch / "cache")
+
+from PySide6.QtCore import QTimer  # noqa: E402
+from PySide6.QtWidgets import QApplication, QTabWidget  # noqa: E402
+
+import app.engine  # noqa: E402,F401  (OpenBLAS first)
+from app.ui.models_dialog import ModelsDialog  # noqa: E402
+from app.ui.preferences import PreferencesDialog  # noqa: E402
+from sessions.conversations import ConversationStore  # noqa: E402
+from sessions.db import open_db  # noqa: E402
+from sessions.settings import Settings  # noqa: E402
+
+SEEDED_REPLY = """<think>
+The user wants a small function. Slicing with a step of -1 reverses a string in Python.
+</think>
+Here is a short function that reverses a string:
+
+```python
+def reverse(text: str) -> str:
+    \"\"\"Return text backwards.\"\"\"
+    return text[::-1]
+
+print(reverse("Reprise"))  # esirpeR
+```
+
+Slicing with `[::-1]` walks the string from the end to the start."""
+
+
+def seed() -> None:
+    db = open_db()
+    store = ConversationStore(db)
+    store.create("SmolLM2-135M-Instruct", title="Planning a picnic")
+    demo = store.create("SmolLM2-135M-Instruct")
+    question = store.add_message(demo.id, "user", "How do I reverse a string in Python?")
+    store.add_message(demo.id, "assistant", SEEDED_REPLY, parent_id=question.id)
+    Settings(db).set("temperature", 0.0)
+    Settings(db).set("max_tokens", 120)
+
+
+def main() -> None:
+    seed()
+    qapp = QApplication(sys.argv)
+    from app.ui.main_window import MainWindow
+
+    window = MainWindow()
+    window.resize(1180, 760)
+    window.show()
+
+    def shot(name: str, widget=None) -> None:
+        QApplication.processEvents()
+        screen = QApplication.primaryScreen()
+        target = widget or window
+        screen.grabWindow(
+            0,
+            target.x(),
+            target.y(),
+            target.frameGeometry().width(),
+            target.frameGeometry().height(),
+        ).save(str(out / name))
+        print("wrote", out / name)
+
+    def wait_ready():
+        if not window.model_state.text().startswith("Ready"):
+            QTimer.singleShot(200, wait_ready)
+            return
+        window.sidebar.list.setCurrentRow(0)
+        window.chat._thinking_open.add(window.chat.messages[1].id)
+        window.chat.render()
+        window.composer.edit.setPlainText("Can you also show it with a loop?")
+        window.composer.edit.submitted.emit()
+        QTimer.singleShot(200, wait_done)
+
+    def wait_done():
+        if window.generating:
+            QTimer.singleShot(200, wait_done)
+            return
+        window.chat.verticalScrollBar().setValue(0)
+        shot("main-window.png")
+        prefs = PreferencesDialog(window.settings, window.index.usage()[1], window)
+        prefs.show()
+        prefs.findChildren(QTabWidget)[0].setCurrentIndex(1)  # Memory
+        QTimer.singleShot(400, lambda: (shot("preferences.png", prefs), prefs.close(), models()))
+
+    def models():
+        dialog = ModelsDialog(window.engine.worker, window)
+        dialog.show()
+        QTimer.singleShot(
+            400, lambda: (shot("models.png", dialog), dialog.close(), window.close(), qapp.quit())
+        )
+
+    QTimer.singleShot(300, wait_ready)
+    qapp.exec()
+
+
+main()
