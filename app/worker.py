@@ -114,6 +114,33 @@ class EngineWorker(QObject):
         finally:
             self.busy_changed.emit(False)
 
+    download_progress = Signal(int, int, str)  # bytes done, bytes in all, file
+
+    @Slot(str)
+    def download_model(self, repo_id: str) -> None:
+        """Fetch an MLX model from the hub; Stop (the same flag) cancels it."""
+        from app.engine.download import download_model, hub_endpoint
+
+        self._stop.clear()
+        self.busy_changed.emit(True)
+        try:
+            path = download_model(
+                repo_id,
+                paths.models_dir(),
+                endpoint=hub_endpoint(),
+                progress=lambda done, total, file: self.download_progress.emit(done, total, file),
+                should_cancel=self._stop.is_set,
+            )
+            self.import_done.emit(path.name)
+        except UserError as exc:
+            self.failed.emit(str(exc))
+            self.import_done.emit("")
+        except Exception:
+            self.failed.emit(f"The download failed:\n{traceback.format_exc()}")
+            self.import_done.emit("")
+        finally:
+            self.busy_changed.emit(False)
+
     @Slot(int, str)
     def send(self, conversation_id: int, text: str) -> None:
         self._run(lambda engine, options, stop: engine.send(conversation_id, text, options, stop))

@@ -137,9 +137,13 @@ def test_ctrl_c_stops_the_reply_not_the_program(starter_model_dir):
 
 
 def test_the_gui_explains_when_there_is_no_display():
-    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY",
-                                                            "QT_QPA_PLATFORM")}
-    done = subprocess.run([REPRISE], capture_output=True, text=True, env=env, timeout=60,
-                          check=False)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")
+    }
+    done = subprocess.run(
+        [REPRISE], capture_output=True, text=True, env=env, timeout=60, check=False
+    )
     assert done.returncode == 1
     assert "no display found" in done.stderr and "reprise chat" in done.stderr

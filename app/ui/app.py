@@ -18,9 +18,11 @@ def has_display() -> bool:
 
 def run() -> int:
     if not has_display():
-        print("reprise: no display found. Start it from a desktop session, or on a headless "
-              "machine run `xvfb-run reprise`; `reprise chat` works in any terminal.",
-              file=sys.stderr)
+        print(
+            "reprise: no display found. Start it from a desktop session, or on a headless "
+            "machine run `xvfb-run reprise`; `reprise chat` works in any terminal.",
+            file=sys.stderr,
+        )
         return 1
     app = QApplication.instance() or QApplication(sys.argv)
     app.setApplicationName("Reprise")

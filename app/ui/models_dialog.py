@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QDialog,
     QFileDialog,
@@ -25,6 +25,7 @@ from sessions import paths
 
 class ModelsDialog(QDialog):
     import_requested = Signal(str, str)  # path, name
+    download_requested = Signal(str)  # repo id
 
     def __init__(self, worker, parent=None) -> None:
         super().__init__(parent)
@@ -37,10 +38,15 @@ class ModelsDialog(QDialog):
         self.progress.hide()
         self.message = QLabel("")
         import_button = QPushButton("Import GGUF…")
+        download_button = QPushButton("Download from Hugging Face…")
+        self.cancel_button = QPushButton("Cancel download")
+        self.cancel_button.hide()
         delete_button = QPushButton("Delete")
         close_button = QPushButton("Close")
         buttons = QHBoxLayout()
         buttons.addWidget(import_button)
+        buttons.addWidget(download_button)
+        buttons.addWidget(self.cancel_button)
         buttons.addWidget(delete_button)
         buttons.addStretch(1)
         buttons.addWidget(close_button)
@@ -52,6 +58,11 @@ class ModelsDialog(QDialog):
         import_button.clicked.connect(self.choose_gguf)
         delete_button.clicked.connect(self.delete_selected)
         close_button.clicked.connect(self.accept)
+        download_button.clicked.connect(self.ask_repo)
+        # Direct: the worker thread is busy downloading; this only sets its stop flag.
+        self.cancel_button.clicked.connect(worker.stop, Qt.ConnectionType.DirectConnection)
+        self.download_requested.connect(worker.download_model)
+        worker.download_progress.connect(self.on_download_progress)
         self.import_requested.connect(worker.import_gguf)
         worker.import_progress.connect(self.on_progress)
         worker.import_done.connect(self.on_done)
@@ -90,6 +101,28 @@ class ModelsDialog(QDialog):
         self.message.setText(f"Importing {Path(path).name}…")
         self.import_requested.emit(path, name)
 
+    def ask_repo(self) -> None:
+        repo, ok = QInputDialog.getText(
+            self,
+            "Download from Hugging Face",
+            "Repository (for example mlx-community/Qwen3-1.7B-4bit):",
+        )
+        if ok and repo.strip():
+            self.start_download(repo.strip())
+
+    def start_download(self, repo_id: str) -> None:
+        self.progress.setRange(0, 0)
+        self.progress.show()
+        self.cancel_button.show()
+        self.message.setText(f"Downloading {repo_id}…")
+        self.download_requested.emit(repo_id)
+
+    def on_download_progress(self, done: int, total: int, file: str) -> None:
+        scale = max(1, total // 1_000_000)  # QProgressBar takes ints; keep them small
+        self.progress.setRange(0, total // scale)
+        self.progress.setValue(done // scale)
+        self.message.setText(f"{file}  {done / 1e6:.1f} of {total / 1e6:.1f} MB")
+
     def on_progress(self, stage: str, done: int, total: int) -> None:
         self.progress.setRange(0, total)
         self.progress.setValue(done)
@@ -97,7 +130,8 @@ class ModelsDialog(QDialog):
 
     def on_done(self, name: str) -> None:
         self.progress.hide()
-        self.message.setText(f"Imported {name}" if name else "The import failed")
+        self.cancel_button.hide()
+        self.message.setText(f"Added {name}" if name else "Nothing was added")
         self.refresh()
 
     def delete_selected(self) -> None:

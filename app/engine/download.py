@@ -1,0 +1,135 @@
+"""Download an MLX model from the Hugging Face hub, with progress and cancel.
+
+huggingface_hub lists the repository and builds the file URLs (and the auth
+headers, when the user is logged in); the bytes are streamed here in blocks
+so that progress is reported and Cancel is honoured between blocks. Like the
+GGUF import, the folder is assembled under a hidden name and renamed into
+place only when every file is complete.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from huggingface_hub import HfApi, hf_hub_url
+from huggingface_hub.errors import RepositoryNotFoundError
+from huggingface_hub.utils import build_hf_headers
+
+from app.engine.errors import UserError
+
+# What mlx-lm needs to load a model, and nothing else: no PyTorch or GGUF copies, and
+# no custom Python code.
+WANTED = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+BLOCK = 1 << 20
+
+Progress = Callable[[int, int, str], None]  # bytes done, bytes in all, current file
+
+
+class DownloadError(UserError):
+    pass
+
+
+class DownloadCancelled(UserError):
+    def __init__(self) -> None:
+        super().__init__("The download was cancelled; nothing was kept.")
+
+
+def _wanted(name: str) -> bool:
+    return "/" not in name and any(fnmatch.fnmatch(name, p) for p in WANTED)
+
+
+def hub_endpoint() -> str | None:
+    """A mirror or a test server, from REPRISE_HF_ENDPOINT; None means huggingface.co."""
+    return os.environ.get("REPRISE_HF_ENDPOINT") or None
+
+
+def download_model(
+    repo_id: str,
+    models_dir: Path,
+    name: str | None = None,
+    endpoint: str | None = None,
+    progress: Progress | None = None,
+    should_cancel: Callable[[], bool] = lambda: False,
+) -> Path:
+    report = progress or (lambda done, total, file: None)
+    name = name or repo_id.rsplit("/", 1)[-1]
+    target = models_dir / name
+    if target.exists():
+        raise DownloadError(f"A model named {name!r} already exists in {models_dir}")
+    try:
+        info = HfApi(endpoint=endpoint).model_info(repo_id, files_metadata=True)
+    except RepositoryNotFoundError as exc:
+        raise DownloadError(f"No model {repo_id!r} on the hub (or it is private)") from exc
+    except Exception as exc:  # HfHubHTTPError, OSError, or the HTTP client's own errors
+        raise DownloadError(f"Could not reach the hub for {repo_id!r}: {exc}") from exc
+    files = [(s.rfilename, s.size or 0) for s in info.siblings or [] if _wanted(s.rfilename)]
+    names = {f for f, _ in files}
+    if "config.json" not in names or not any(f.endswith(".safetensors") for f in names):
+        raise DownloadError(
+            f"{repo_id} is not an MLX model (it needs config.json and .safetensors weights); "
+            "mlx-community on the hub has converted ones"
+        )
+    total = sum(size for _, size in files)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".download-{name}-", dir=models_dir))
+    done = 0
+    try:
+        headers = build_hf_headers()
+        for filename, size in files:
+            url = hf_hub_url(repo_id, filename, revision=info.sha, endpoint=endpoint)
+            done = _fetch(
+                url, headers, staging / filename, size, done, total, report, should_cancel
+            )
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report(total, total, "")
+    return target
+
+
+def _fetch(
+    url: str,
+    headers: dict,
+    path: Path,
+    size: int,
+    done: int,
+    total: int,
+    report: Progress,
+    should_cancel: Callable[[], bool],
+) -> int:
+    request = urllib.request.Request(url, headers=headers)
+    written = 0
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response, path.open("wb") as out:
+            while block := response.read(BLOCK):
+                if should_cancel():
+                    raise DownloadCancelled()
+                out.write(block)
+                written += len(block)
+                report(done + written, total, path.name)
+    except urllib.error.URLError as exc:
+        raise DownloadError(f"Downloading {path.name} failed: {exc}") from exc
+    if size and written != size:
+        raise DownloadError(f"{path.name} arrived incomplete ({written} of {size} bytes)")
+    return done + written

@@ -1,0 +1,83 @@
+"""Downloading an MLX model from the hub, against a stand-in hub on loopback."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from hub_server import FakeHub
+
+from app.engine.chat import ChatSession
+from app.engine.download import DownloadCancelled, DownloadError, download_model
+from app.engine.generation import SamplingSettings
+from app.engine.loading import load
+
+
+@pytest.fixture
+def hub_repo(tiny_model_dir, tmp_path):
+    folder = tmp_path / "repo"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "README.md").write_text("# not downloaded")
+    (folder / "pytorch_model.bin").write_bytes(b"\0" * 100)
+    return folder
+
+
+def test_download_brings_a_model_that_loads_and_chats(hub_repo, tmp_path):
+    seen = []
+    with FakeHub({"mlx-community/tiny": hub_repo}) as hub:
+        path = download_model(
+            "mlx-community/tiny",
+            tmp_path / "models",
+            endpoint=hub.endpoint,
+            progress=lambda done, total, file: seen.append((done, total)),
+        )
+    assert path.name == "tiny"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    total = seen[-1][1]
+    assert seen[-1][0] == total and all(d <= total for d, _ in seen)
+    *_, finished = ChatSession(load(path)).reply(
+        [{"role": "user", "content": "hi"}], sampling=SamplingSettings.greedy(3)
+    )
+    assert finished.stats.generated_tokens == 3
+
+
+def test_cancel_leaves_nothing(hub_repo, tmp_path):
+    progress = []
+    with (
+        FakeHub({"mlx-community/tiny": hub_repo}, seconds_per_block=0.05) as hub,
+        pytest.raises(DownloadCancelled),
+    ):
+        download_model(
+            "mlx-community/tiny",
+            tmp_path / "models",
+            endpoint=hub.endpoint,
+            progress=lambda *args: progress.append(args),
+            should_cancel=lambda: len(progress) >= 3,
+        )
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_an_unknown_repo_gets_a_clear_message(tmp_path):
+    with FakeHub({}) as hub, pytest.raises(DownloadError, match="No model 'nobody/nothing'"):
+        download_model("nobody/nothing", tmp_path / "models", endpoint=hub.endpoint)
+
+
+def test_a_repo_without_mlx_weights_is_refused(tmp_path):
+    folder = tmp_path / "gguf-only"
+    folder.mkdir()
+    (folder / "model.gguf").write_bytes(b"GGUF")
+    with (
+        FakeHub({"someone/gguf": folder}) as hub,
+        pytest.raises(DownloadError, match="not an MLX model"),
+    ):
+        download_model("someone/gguf", tmp_path / "models", endpoint=hub.endpoint)
+
+
+def test_an_unreachable_hub_gets_a_clear_message(tmp_path):
+    with pytest.raises(DownloadError, match="Could not reach the hub"):
+        download_model("a/b", tmp_path / "models", endpoint="http://127.0.0.1:9")
