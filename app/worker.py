@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 import traceback
+from collections.abc import Callable
+from pathlib import Path
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
@@ -51,6 +53,9 @@ class EngineWorker(QObject):
     failed = Signal(str)  # a message for the user
     saved = Signal(dict)  # chunks and bytes written, or an error
     busy_changed = Signal(bool)
+    import_progress = Signal(str, int, int)  # stage, done, total
+    download_progress = Signal(int, int, str)  # bytes done, bytes in all, file
+    model_added = Signal(str)  # the new model's name; "" when an import or download failed
 
     def __init__(self) -> None:
         super().__init__()
@@ -86,59 +91,49 @@ class EngineWorker(QObject):
         finally:
             self.busy_changed.emit(False)
 
-    import_progress = Signal(str, int, int)  # stage, done, total
-    import_done = Signal(str)  # the new model's name, or "" after a failure
-
     @Slot(str, str)
     def import_gguf(self, path: str, name: str) -> None:
         """Import a GGUF file into the library (mlx reads it, so it runs here)."""
-        from pathlib import Path
-
         from app.engine.gguf_import import import_gguf
 
-        self.busy_changed.emit(True)
-        try:
-            imported = import_gguf(
-                Path(path),
-                paths.models_dir(),
-                name or None,
-                lambda stage, done, total: self.import_progress.emit(stage, done, total),
-            )
-            self.import_done.emit(imported.name)
-        except UserError as exc:
-            self.failed.emit(str(exc))
-            self.import_done.emit("")
-        except Exception:
-            self.failed.emit(f"The import failed:\n{traceback.format_exc()}")
-            self.import_done.emit("")
-        finally:
-            self.busy_changed.emit(False)
+        def report(stage: str, done: int, total: int) -> None:
+            self.import_progress.emit(stage, done, total)
 
-    download_progress = Signal(int, int, str)  # bytes done, bytes in all, file
+        self._add_model(
+            lambda: import_gguf(Path(path), paths.models_dir(), name or None, report).path
+        )
 
     @Slot(str)
     def download_model(self, repo_id: str) -> None:
         """Fetch an MLX model from the hub; Stop (the same flag) cancels it."""
         from app.engine.download import download_model, hub_endpoint
 
+        def report(done: int, total: int, file: str) -> None:
+            self.download_progress.emit(done, total, file)
+
         self._stop.clear()
-        self.busy_changed.emit(True)
-        try:
-            path = download_model(
+        self._add_model(
+            lambda: download_model(
                 repo_id,
                 paths.models_dir(),
                 endpoint=hub_endpoint(),
-                progress=lambda done, total, file: self.download_progress.emit(done, total, file),
+                progress=report,
                 should_cancel=self._stop.is_set,
             )
-            self.import_done.emit(path.name)
+        )
+
+    def _add_model(self, task: Callable[[], Path]) -> None:
+        """Run an import or download; `model_added` names the new model, or is empty."""
+        self.busy_changed.emit(True)
+        added = ""
+        try:
+            added = task().name
         except UserError as exc:
             self.failed.emit(str(exc))
-            self.import_done.emit("")
         except Exception:
-            self.failed.emit(f"The download failed:\n{traceback.format_exc()}")
-            self.import_done.emit("")
+            self.failed.emit(f"Adding the model failed:\n{traceback.format_exc()}")
         finally:
+            self.model_added.emit(added)
             self.busy_changed.emit(False)
 
     @Slot(int, str)

@@ -47,6 +47,14 @@ def send(qtbot, window, text, greedy_tokens=40):
     wait_reply(qtbot, window)
 
 
+def start_long_reply(qtbot, window):
+    """Ask for a long story and wait until it is streaming."""
+    Settings(window.db).set("max_tokens", 2000)
+    window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
+    window.composer.edit.submitted.emit()
+    qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
+
+
 def wait_reply(qtbot, window):
     """Until the reply is finished and the view shows the stored messages."""
     qtbot.waitUntil(
@@ -69,10 +77,7 @@ def test_send_streams_a_reply_and_stores_it(qtbot, open_window):
 
 def test_stop_ends_the_reply_early(qtbot, open_window):
     window = open_window()
-    Settings(window.db).set("max_tokens", 2000)
-    window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
-    window.composer.edit.submitted.emit()
-    qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
+    start_long_reply(qtbot, window)
     assert window.composer.button.text() == "Stop"
     window.composer.button.click()
     qtbot.waitUntil(lambda: not window.generating, timeout=READY_MS)
@@ -173,10 +178,7 @@ def test_closing_during_a_reply_stops_it_and_saves(qtbot, open_window):
     from sessions.cachefiles import CacheIndex
 
     window = open_window()
-    Settings(window.db).set("max_tokens", 2000)
-    window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
-    window.composer.edit.submitted.emit()
-    qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
+    start_long_reply(qtbot, window)
     conversation = window.conversation_id
     window.close()
     assert window.engine.thread.isFinished()

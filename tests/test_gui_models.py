@@ -5,9 +5,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import tiny
 from hub_server import FakeHub
 
+import tiny
 from app.engine.models import list_models
 from app.ui.models_dialog import ModelsDialog
 from app.worker import WorkerThread

@@ -233,7 +233,7 @@ class KVStore:
             raise CacheRejected("index does not match its tokens")
         needed = [(k, s, e) for k, s, e in chunks if s < usable]
         template = make_prompt_cache(self.loaded.model)
-        buffers: list[dict[str, mx.array]] | None = None
+        buffers: list[dict[str, list]] | None = None
         total = needed[-1][2]
         size = 0
         for key, start, end in needed:

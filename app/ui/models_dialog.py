@@ -65,7 +65,7 @@ class ModelsDialog(QDialog):
         worker.download_progress.connect(self.on_download_progress)
         self.import_requested.connect(worker.import_gguf)
         worker.import_progress.connect(self.on_progress)
-        worker.import_done.connect(self.on_done)
+        worker.model_added.connect(self.on_done)
         self.refresh()
 
     def refresh(self) -> None:
