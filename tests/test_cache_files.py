@@ -32,10 +32,13 @@ def turn(engine, conversation_id, text, options=OPTIONS) -> tuple[TurnFinished, 
     return finished, saved
 
 
-def fresh_reply(loaded, engine, conversation_id, options=OPTIONS) -> str:
-    """The reply computed with no cache at all, for the branch up to the last user message."""
+def fresh_reply(loaded, engine, conversation_id, options=OPTIONS, known=()) -> str:
+    """The reply computed with no cache at all, for the branch up to the last user message,
+    from the same prompt tokens (`known`: the saved tokens the engine kept as they were)."""
     messages = engine.store.get(conversation_id).chat_messages()[:-1]
-    *_, finished = ChatSession(loaded).reply(messages, sampling=options.sampling, kv=options.kv)
+    session = ChatSession(loaded)
+    prompt = session.render(messages, known=known)
+    *_, finished = session.generate(prompt, sampling=options.sampling, kv=options.kv)
     return finished.text
 
 
@@ -61,12 +64,10 @@ def test_reopening_restores_from_disk_and_matches_a_fresh_computation(
     finished, _ = turn(engine, saved_conversation, "one more question")
     extra = finished.stats.extra
     assert extra["restore_source"] == "disk" and extra["cache_rejected"] is None
-    assert extra["restored_tokens"] == finished.stats.reused_tokens > 0
-    # Everything but the new message: the saved tokens, up to where the template re-renders them.
-    prompt = engine.session.render(engine.store.get(saved_conversation).chat_messages()[:-1])
-    shared = next(i for i, (a, b) in enumerate(zip(saved_tokens, prompt, strict=False)) if a != b)
-    assert finished.stats.reused_tokens == shared
-    assert finished.text == fresh_reply(tiny_model, engine, saved_conversation)
+    # Everything but the new message: all the saved tokens, even where the random model's
+    # bytes would not re-tokenize the same.
+    assert extra["restored_tokens"] == finished.stats.reused_tokens == len(saved_tokens)
+    assert finished.text == fresh_reply(tiny_model, engine, saved_conversation, known=saved_tokens)
 
 
 def test_restore_fills_preallocated_buffers_of_the_exact_length(tiny_model, saved_conversation):
@@ -181,6 +182,7 @@ def test_a_changed_history_reuses_only_what_still_matches(tiny_model, saved_conv
     first_reply = ConversationEngine(db, tiny_model).store.get(saved_conversation).messages[1]
     db["messages"].update(first_reply.id, {"content": "something else entirely"})
     engine = new_engine(tiny_model)
+    saved_tokens = engine.index.conversation(saved_conversation).tokens
     finished, _ = turn(engine, saved_conversation, "next")
     assert finished.stats.extra["restore_source"] == "disk"
     assert (
@@ -188,7 +190,7 @@ def test_a_changed_history_reuses_only_what_still_matches(tiny_model, saved_conv
         < finished.stats.reused_tokens
         < len(engine.session.render(engine.store.get(saved_conversation).chat_messages()[:2]))
     )
-    assert finished.text == fresh_reply(tiny_model, engine, saved_conversation)
+    assert finished.text == fresh_reply(tiny_model, engine, saved_conversation, known=saved_tokens)
 
 
 def test_verify_and_gc(tiny_model, saved_conversation, app_dirs):
@@ -238,10 +240,14 @@ def test_quantized_caches_save_and_restore(tiny_model):
     assert CacheIndex(open_db()).conversation(conversation.id).kv_format == "q8g32"
 
     reopened = new_engine(tiny_model)
+    saved_tokens = reopened.index.conversation(conversation.id).tokens
     finished, _ = turn(reopened, conversation.id, "still eight bits", quantized)
     assert finished.stats.extra["restore_source"] == "disk"
     assert finished.stats.kv_format == "8-bit (group 32)"
-    assert finished.text == fresh_reply(tiny_model, reopened, conversation.id, quantized)
+    assert finished.stats.reused_tokens == len(saved_tokens)
+    assert finished.text == fresh_reply(
+        tiny_model, reopened, conversation.id, quantized, known=saved_tokens
+    )
 
     # Full precision cannot be rebuilt from 8 bits: recompute, and say why.
     finished, _ = turn(new_engine(tiny_model), conversation.id, "now full precision")

@@ -14,8 +14,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
-from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import (
+    KVCache,
+    QuantizedKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from app.engine.errors import UserError
@@ -65,17 +70,29 @@ class ChatSession:
 
     # -- prompt ---------------------------------------------------------------
 
-    def render(self, messages: Sequence[Message], system: str | None = None) -> list[int]:
-        """The token ids of the conversation, ending with the assistant's turn opening."""
+    def render(
+        self, messages: Sequence[Message], system: str | None = None, known: Sequence[int] = ()
+    ) -> list[int]:
+        """The token ids of the conversation, ending with the assistant's turn opening.
+
+        `known` are tokens the model has already seen (its cache). When they spell the
+        start of the conversation's text they are kept as they are and only the rest is
+        tokenized: a reply's own tokens need not survive a decode/encode round trip, so
+        the whole cache stays usable.
+        """
         full = list(messages)
         if system:
             full = [{"role": "system", "content": system}, *full]
-        tokens = self.loaded.tokenizer.apply_chat_template(
-            full, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(tokens, dict):  # some transformers versions return a BatchEncoding
-            tokens = tokens["input_ids"]
-        return list(tokens)
+        tokenizer = self.loaded.tokenizer
+        text = tokenizer.apply_chat_template(full, add_generation_prompt=True, tokenize=False)
+        if known:
+            known_text = tokenizer.decode(list(known), skip_special_tokens=False)
+            if text.startswith(known_text):
+                return [
+                    *known,
+                    *tokenizer.encode(text[len(known_text) :], add_special_tokens=False),
+                ]
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
     # -- cache ----------------------------------------------------------------
 
@@ -120,7 +137,7 @@ class ChatSession:
         should_stop: Callable[[], bool] = lambda: False,
     ) -> Iterator[Event]:
         """Stream the assistant's reply to `messages` as events, ending with TurnFinished."""
-        prompt = self.render(messages, system)
+        prompt = self.render(messages, system, known=self.tokens)
         yield from self.generate(prompt, sampling=sampling, kv=kv, should_stop=should_stop)
 
     def generate(
@@ -227,7 +244,12 @@ class ChatSession:
             return lambda cache: None
 
         def quantize(cache: list) -> None:
-            maybe_quantize_kv_cache(cache, kv.quantized_kv_start, kv.group_size, kv.bits)
+            # As mlx-lm's maybe_quantize_kv_cache, but only plain KVCache layers: it
+            # raises NotImplementedError on sliding-window (RotatingKVCache) layers,
+            # which stay in full precision.
+            for i, layer in enumerate(cache):
+                if type(layer) is KVCache and layer.offset >= kv.quantized_kv_start:
+                    cache[i] = layer.to_quantized(group_size=kv.group_size, bits=kv.bits)
 
         return quantize
 

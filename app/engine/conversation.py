@@ -10,7 +10,7 @@ reply is complete saves the cache's new chunks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import sqlite_utils
@@ -143,9 +143,14 @@ class ConversationEngine:
         self.store.update_settings(conversation_id, current_message_id=parent_id)
         conversation = self.store.get(conversation_id)
         system = options.system if options.system is not None else conversation.system_prompt
-        prompt = self.session.render(conversation.chat_messages(), system)
-        restore = self._prepare_cache(conversation_id, prompt, options.kv)
+        messages = conversation.chat_messages()
+
+        def render(known: Sequence[int]) -> list[int]:
+            return self.session.render(messages, system, known=known)
+
+        restore = self._prepare_cache(conversation_id, render, options.kv)
         yield restore
+        prompt = render(self.session.tokens)
 
         reply = self.store.add_message(
             conversation_id, "assistant", "", parent_id=parent_id, state="streaming"
@@ -188,12 +193,15 @@ class ConversationEngine:
     # -- where the cache comes from ---------------------------------------------
 
     def _prepare_cache(
-        self, conversation_id: int, prompt: list[int], kv: KVSettings
+        self, conversation_id: int, render: Callable[[Sequence[int]], list[int]], kv: KVSettings
     ) -> RestoreInfo:
+        """Leave in `session` the best cache for this turn, and say where it came from."""
         if self._in_memory == conversation_id and self.session.cache is not None:
             return RestoreInfo(source="memory", tokens=len(self.session.tokens))
         self.session.reset()
         self._in_memory = conversation_id
+        saved = self.index.conversation(conversation_id)
+        prompt = render(saved.tokens if saved else ())
         entry, usable, size = self.kvstore.plan(conversation_id, prompt)
         if entry is None:
             return RestoreInfo(rejected="no saved cache")

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache, trim_prompt_cache
 
+from app.engine import snapshots
 from app.engine.chat import common_prefix_length
 from app.engine.loading import LoadedModel
 from sessions.cachefiles import (
@@ -35,6 +36,7 @@ from sessions.cachefiles import (
     write_file,
 )
 
+SNAPSHOT = "snapshot"
 # The only cache classes ever built from a file (never a name looked up at large).
 ALLOWED_CLASSES = {"KVCache": KVCache, "QuantizedKVCache": QuantizedKVCache}
 _PARTS = ("k", "v")
@@ -141,6 +143,8 @@ class KVStore:
     def save(self, conversation_id: int, tokens: list[int], cache: list) -> SaveReport:
         started = time.perf_counter()
         report = SaveReport()
+        if cache and tokens and not snapshots.is_chunkable(cache):
+            return self._save_snapshot(conversation_id, tokens, cache, report, started)
         fmt = kv_format(cache) if cache else None
         if fmt is None or not tokens or cache[0].offset != len(tokens):
             self.index.forget_conversation(conversation_id)
@@ -177,15 +181,51 @@ class KVStore:
             report.chunks_written += 1
             report.bytes_written += size
         self.index.touch(existing)
+        self._point_conversation(
+            conversation_id, fmt, tokens, self.chunk_tokens, [k for k, _, _ in chunks]
+        )
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def _point_conversation(
+        self, conversation_id: int, fmt: str, tokens: list[int], chunk_tokens: int, keys: list[str]
+    ) -> None:
         previous = self.index.conversation(conversation_id)
-        keys = [k for k, _, _ in chunks]
         self.index.set_conversation(
             ConversationCache(
-                conversation_id, self.fingerprint, fmt, list(tokens), self.chunk_tokens, keys
+                conversation_id, self.fingerprint, fmt, list(tokens), chunk_tokens, keys
             )
         )
-        if previous:  # typically the old partial last chunk
+        if previous:  # typically the old partial last chunk, or the previous snapshot
             self.index.release(set(previous.chunk_keys) - set(keys))
+
+    def _save_snapshot(
+        self,
+        conversation_id: int,
+        tokens: list[int],
+        cache: list,
+        report: SaveReport,
+        started: float,
+    ) -> SaveReport:
+        """Non-chunkable caches: the whole cache in one file (`chunk_tokens` 0 marks it)."""
+        key = chunk_keys(self.fingerprint, SNAPSHOT, tokens, len(tokens))[0][0]
+        if not (self.index.chunk(key) and self.index.chunk_path(key).is_file()):
+            tensors, layout = snapshots.snapshot(cache)
+            metadata = {
+                "model": self.fingerprint,
+                "kv_format": SNAPSHOT,
+                "key": key,
+                "token_start": "0",
+                "token_end": str(len(tokens)),
+                "tokens_hash": _tokens_hash(tokens),
+                "layers": str(len(cache)),
+                "layout": layout,
+            }
+            path = self.index.chunk_path(key)
+            size = write_file(path, tensors, metadata)
+            self.index.add_chunk(key, path, size, self.fingerprint, SNAPSHOT, 0, len(tokens))
+            report.chunks_written, report.bytes_written = 1, size
+        self._point_conversation(conversation_id, SNAPSHOT, tokens, 0, [key])
         report.seconds = time.perf_counter() - started
         return report
 
@@ -198,6 +238,9 @@ class KVStore:
         entry = self.index.conversation(conversation_id)
         if entry is None:
             return None, 0, 0
+        if entry.kv_format == SNAPSHOT:
+            row = self.index.chunk(entry.chunk_keys[0])
+            return entry, len(entry.tokens), row["bytes"] if row else 0
         usable = common_prefix_length(entry.tokens, prompt)
         usable = min(usable, len(prompt) - 1)
         size = 0
@@ -225,6 +268,8 @@ class KVStore:
     def _load(self, entry: ConversationCache, prompt: list[int]) -> tuple[list, int, int]:
         if entry.model_fingerprint != self.fingerprint:
             raise CacheRejected("saved for a different model")
+        if entry.kv_format == SNAPSHOT:
+            return self._load_snapshot(entry, prompt)
         usable = min(common_prefix_length(entry.tokens, prompt), len(prompt) - 1)
         if usable <= 0:
             raise CacheRejected("nothing in common with the conversation")
@@ -268,6 +313,33 @@ class KVStore:
         if total > restored:
             trim_prompt_cache(cache, total - restored)
         return cache, restored, size
+
+    def _load_snapshot(self, entry: ConversationCache, prompt: list[int]) -> tuple[list, int, int]:
+        tokens = entry.tokens
+        if len(prompt) <= len(tokens) or prompt[: len(tokens)] != tokens:
+            raise CacheRejected("the conversation changed since its snapshot")
+        key = entry.chunk_keys[0]
+        if key != chunk_keys(self.fingerprint, SNAPSHOT, tokens, len(tokens))[0][0]:
+            raise CacheRejected("index does not match its tokens")
+        row = self.index.chunk(key)
+        if row is None:
+            raise CacheRejected("cache files were evicted")
+        tensors, metadata = read_file(
+            path_from_url(row["url"], self.index.root),
+            {
+                "model": self.fingerprint,
+                "kv_format": SNAPSHOT,
+                "key": key,
+                "tokens_hash": _tokens_hash(tokens),
+            },
+            load=_load_mlx,
+        )
+        cache = snapshots.restore(
+            make_prompt_cache(self.loaded.model), tensors, metadata.get("layout", "")
+        )
+        mx.eval([layer.state for layer in cache])
+        self.index.touch([key])
+        return cache, len(tokens), row["bytes"]
 
     def _check_classes(self, classes: list[str], template: list) -> None:
         if len(classes) != len(template):
