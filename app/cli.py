@@ -29,6 +29,9 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="quantize the KV cache once it holds this many tokens",
     )
+    parser.add_argument(
+        "--max-context", type=int, help="cap prompt plus reply below the model's context length"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per turn")
 
 

@@ -40,6 +40,7 @@ def options_from_settings(values: dict) -> TurnOptions:
             max_tokens=values["max_tokens"],
         ),
         kv=KVSettings(values["kv_bits"], values["kv_group_size"], values["quantized_kv_start"]),
+        max_context=values["max_context"] or None,
     )
 
 
@@ -69,7 +70,7 @@ class EngineWorker(QObject):
 
     @Slot(str)
     def load_model(self, name: str) -> None:
-        self.busy_changed.emit(True)
+        """Not "busy": a message sent meanwhile is queued and answered once loaded."""
         try:
             if self._db is None:
                 self._db = open_db()  # this thread's own connection
@@ -88,8 +89,6 @@ class EngineWorker(QObject):
             self.failed.emit(str(exc))
         except Exception:  # a bug: show it rather than die silently
             self.failed.emit(f"Loading the model failed:\n{traceback.format_exc()}")
-        finally:
-            self.busy_changed.emit(False)
 
     @Slot(str, str)
     def import_gguf(self, path: str, name: str) -> None:

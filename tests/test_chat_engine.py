@@ -222,3 +222,15 @@ def test_a_group_size_that_does_not_fit_the_heads_is_refused(tiny_model):
     kv = KVSettings(bits=4, group_size=64)  # the tiny model's heads are 32 wide
     with pytest.raises(chat_module.UnsupportedKVSettings, match="head size"):
         list(session.reply([{"role": "user", "content": "hi"}], kv=kv))
+
+
+def test_a_maximum_context_caps_the_reply_and_refuses_longer_prompts(tiny_model):
+    session = ChatSession(tiny_model)
+    messages = [{"role": "user", "content": "hello"}]
+    prompt_tokens = len(session.render(messages))
+    *_, finished = session.reply(
+        messages, sampling=SamplingSettings.greedy(50), max_context=prompt_tokens + 5
+    )
+    assert finished.stats.generated_tokens == 5 and finished.stats.finish_reason == "length"
+    with pytest.raises(ContextFull, match="raise the maximum context"):
+        list(ChatSession(tiny_model).reply(messages, max_context=prompt_tokens))

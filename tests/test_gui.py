@@ -143,6 +143,7 @@ def test_preferences_persist(qtbot, library):
     dialog.temperature.setValue(0.3)
     dialog.kv_bits.setCurrentIndex(1)  # 8-bit
     dialog.max_tokens.setValue(333)
+    dialog.max_context.setValue(4096)
     dialog.accept()
     again = Settings(open_db())
     assert (again.get("temperature"), again.get("kv_bits"), again.get("max_tokens")) == (
@@ -150,6 +151,7 @@ def test_preferences_persist(qtbot, library):
         8,
         333,
     )
+    assert again.get("max_context") == 4096
     reopened = PreferencesDialog(again, 0)
     qtbot.addWidget(reopened)
     assert reopened.kv_bits.currentText() == "8-bit"
@@ -186,3 +188,14 @@ def test_closing_during_a_reply_stops_it_and_saves(qtbot, open_window):
     assert reply.state == "cancelled" and reply.content
     entry = CacheIndex(window.db).conversation(conversation)
     assert entry is not None and len(entry.tokens) > 20
+
+
+def test_a_slow_start_shows_a_busy_bar_until_text_arrives(qtbot, open_window):
+    window = open_window()
+    window.on_busy(True)
+    window._start_turn()
+    qtbot.waitUntil(lambda: window.progress.isVisible(), timeout=5_000)  # after half a second
+    assert window.progress.format() == "Preparing…" and window.progress.maximum() == 0
+    window.on_first_text("Hello")
+    assert not window.progress.isVisible()
+    window.on_busy(False)

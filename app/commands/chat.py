@@ -64,6 +64,7 @@ def options_from_args(args: argparse.Namespace) -> TurnOptions:
             seed=args.seed,
         ),
         kv=KVSettings(args.kv_bits, args.kv_group_size, args.quantized_kv_start),
+        max_context=args.max_context,
     )
 
 
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
                 sampling=options.sampling,
                 kv=options.kv,
                 should_stop=should_stop,
+                max_context=options.max_context,
             ):
                 if isinstance(event, TurnFinished):
                     messages.append({"role": "assistant", "content": event.text})

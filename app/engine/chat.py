@@ -135,10 +135,13 @@ class ChatSession:
         sampling: SamplingSettings | None = None,
         kv: KVSettings | None = None,
         should_stop: Callable[[], bool] = lambda: False,
+        max_context: int | None = None,
     ) -> Iterator[Event]:
         """Stream the assistant's reply to `messages` as events, ending with TurnFinished."""
         prompt = self.render(messages, system, known=self.tokens)
-        yield from self.generate(prompt, sampling=sampling, kv=kv, should_stop=should_stop)
+        yield from self.generate(
+            prompt, sampling=sampling, kv=kv, should_stop=should_stop, max_context=max_context
+        )
 
     def generate(
         self,
@@ -147,15 +150,21 @@ class ChatSession:
         sampling: SamplingSettings | None = None,
         kv: KVSettings | None = None,
         should_stop: Callable[[], bool] = lambda: False,
+        max_context: int | None = None,
     ) -> Iterator[Event]:
+        """Stream a reply to `prompt`; `max_context` caps prompt plus reply below the
+        model's own context length (a memory preference)."""
         sampling = sampling or SamplingSettings()
         kv = kv or KVSettings()
         started = time.perf_counter()
-        if len(prompt) >= self.loaded.context_length:
+        limit = min(self.loaded.context_length, max_context or self.loaded.context_length)
+        if len(prompt) >= limit:
             raise ContextFull(
-                f"The conversation ({len(prompt)} tokens) no longer fits the model's "
-                f"context of {self.loaded.context_length} tokens; start a new chat"
+                f"The conversation ({len(prompt)} tokens) no longer fits the context of "
+                f"{limit} tokens; start a new chat"
+                + ("" if limit == self.loaded.context_length else " or raise the maximum context")
             )
+        room = limit - len(prompt)
         if kv.bits is not None and self.loaded.head_dim % kv.group_size:
             raise UnsupportedKVSettings(
                 f"KV group size {kv.group_size} does not divide this model's head size "
@@ -226,7 +235,7 @@ class ChatSession:
                 detokenizer.add_token(token)
                 if segment := detokenizer.last_segment:
                     yield TextDelta(segment)
-                if stats.generated_tokens >= sampling.max_tokens:
+                if stats.generated_tokens >= min(sampling.max_tokens, room):
                     break
                 if should_stop():
                     reason = "cancelled"

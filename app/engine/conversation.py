@@ -33,6 +33,7 @@ class TurnOptions:
     system: str | None = None
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     kv: KVSettings = field(default_factory=KVSettings)
+    max_context: int | None = None  # None: the model's own
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,11 @@ class ConversationEngine:
         writer = ReplyWriter(self.store, reply.id)
         try:
             for event in self.session.generate(
-                prompt, sampling=options.sampling, kv=options.kv, should_stop=should_stop
+                prompt,
+                sampling=options.sampling,
+                kv=options.kv,
+                should_stop=should_stop,
+                max_context=options.max_context,
             ):
                 if isinstance(event, TextDelta):
                     writer.append(event.text)

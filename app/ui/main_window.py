@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QElapsedTimer, Qt, Signal
+from PySide6.QtCore import QElapsedTimer, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
@@ -78,6 +78,9 @@ class MainWindow(QMainWindow):
         self.progress = QProgressBar()
         self.progress.setMaximumWidth(200)
         self.progress.hide()
+        # Restoring a cache reports no steps: show a busy bar if the reply is slow to start.
+        self._slow_start = QTimer(self, singleShot=True, interval=PROGRESS_AFTER_MS)
+        self._slow_start.timeout.connect(self.on_slow_start)
         self._build_layout()
         self._build_actions()
 
@@ -145,6 +148,7 @@ class MainWindow(QMainWindow):
         self.edit_requested.connect(worker.edit)
         worker.model_loaded.connect(self.on_model_loaded)
         worker.text_delta.connect(self.chat.add_text)
+        worker.text_delta.connect(self.on_first_text)
         worker.prompt_progress.connect(self.on_prompt_progress)
         worker.cache_restored.connect(self.on_cache_restored)
         worker.finished.connect(self.on_finished)
@@ -263,6 +267,7 @@ class MainWindow(QMainWindow):
     def _start_turn(self) -> None:
         self.chat.append_streaming(RenderedMessage(-2, "assistant", "", state="streaming"))
         self._turn_clock.start()
+        self._slow_start.start()
         self.status_text.setText("Thinking…")
 
     def on_chat_action(self, verb: str, message_id: int) -> None:
@@ -283,6 +288,18 @@ class MainWindow(QMainWindow):
         self.generating = busy
         self.composer.set_generating(busy)
         if not busy:
+            self._slow_start.stop()
+            self.progress.hide()
+
+    def on_slow_start(self) -> None:
+        if self.generating and not self.progress.isVisible():
+            self.progress.setRange(0, 0)  # busy, no steps
+            self.progress.setFormat("Preparing…")
+            self.progress.show()
+
+    def on_first_text(self, _text: str) -> None:
+        if self._slow_start.isActive() or self.progress.maximum() == 0:
+            self._slow_start.stop()
             self.progress.hide()
 
     def on_prompt_progress(self, done: int, total: int) -> None:

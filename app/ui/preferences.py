@@ -96,6 +96,9 @@ class PreferencesDialog(QDialog):
         form.addRow("", self.kv_explanation)
         form.addRow("Group size", self.kv_group_size)
         form.addRow("Quantize after (tokens)", self.quantized_kv_start)
+        self.max_context = self._int(0, 1_048_576, values["max_context"] or 0)
+        self.max_context.setSpecialValueText("The model's own")
+        form.addRow("Maximum context (tokens)", self.max_context)
         form.addRow("", self.kv_warning)
         self._initial_kv = (values["kv_bits"], values["kv_group_size"])
         self.kv_group_size.currentIndexChanged.connect(self._explain_kv)
@@ -166,6 +169,7 @@ class PreferencesDialog(QDialog):
             "kv_bits": self.kv_bits.currentData(),
             "kv_group_size": self.kv_group_size.currentData(),
             "quantized_kv_start": self.quantized_kv_start.value(),
+            "max_context": self.max_context.value() or None,
             "cache_budget_bytes": int(self.budget.value() * GIB),
         }
 
