@@ -42,7 +42,8 @@ PROGRESS_AFTER_MS = 500
 
 def restore_text(source: str, tokens: int, seconds: float) -> str:
     if source == "disk":
-        return f"Resumed from saved cache: {tokens:,} tokens in {seconds:.2f} s"
+        took = f"{seconds * 1000:.0f} ms" if seconds < 0.1 else f"{seconds:.2f} s"
+        return f"Resumed from saved cache: {tokens:,} tokens in {took}"
     if source == "memory":
         return f"Continuing: {tokens:,} tokens already in memory"
     return "Reading the conversation from the start"
@@ -89,6 +90,7 @@ class MainWindow(QMainWindow):
         self.refresh_models()
         self.refresh_sidebar()
         self.show_conversation(None)
+        self.composer.edit.setFocus()  # open ready to type
         self.load_model_requested.emit(self.model_picker.currentText())
 
     # -- layout and wiring -----------------------------------------------------
@@ -313,7 +315,8 @@ class MainWindow(QMainWindow):
             self.progress.show()
 
     def on_cache_restored(self, source: str, tokens: int, seconds: float) -> None:
-        self.status_text.setText(restore_text(source, tokens, seconds))
+        first_turn = len(self.chat.messages) <= 2  # the question and the coming reply
+        self.status_text.setText("" if first_turn else restore_text(source, tokens, seconds))
 
     def on_finished(self, stats: dict) -> None:
         self.progress.hide()
