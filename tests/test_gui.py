@@ -64,6 +64,7 @@ def wait_reply(qtbot, window):
 
 def test_send_streams_a_reply_and_stores_it(qtbot, open_window):
     window = open_window()
+    assert not window.model_loading_action.isVisible()  # the loading bar went when ready
     deltas = []
     window.engine.worker.text_delta.connect(deltas.append)
     send(qtbot, window, "What is the capital of France?")

@@ -74,6 +74,10 @@ class MainWindow(QMainWindow):
         self.model_picker = QComboBox()
         self.model_picker.setMinimumWidth(240)
         self.model_state = QLabel("Loading model…")
+        # Loading reports no steps: a busy bar beside the picker until the model is ready.
+        self.model_loading = QProgressBar()
+        self.model_loading.setRange(0, 0)
+        self.model_loading.setMaximumWidth(120)
         self.status_text = QLabel("")
         self.stats_text = QLabel("")
         self.progress = QProgressBar()
@@ -112,6 +116,8 @@ class MainWindow(QMainWindow):
         toolbar.addWidget(self.model_picker)
         toolbar.addWidget(QLabel("  "))
         toolbar.addWidget(self.model_state)
+        # A toolbar shows or hides its widgets through their actions.
+        self.model_loading_action = toolbar.addWidget(self.model_loading)
         self.addToolBar(toolbar)
         self.statusBar().addWidget(self.status_text, 1)
         self.statusBar().addPermanentWidget(self.progress)
@@ -185,10 +191,12 @@ class MainWindow(QMainWindow):
         name = self.model_picker.currentText()
         self.settings.set("model", name)
         self.model_state.setText("Loading model…")
+        self.model_loading_action.setVisible(True)
         self.load_model_requested.emit(name)
 
     def on_model_loaded(self, name: str, compute: str) -> None:
         self.model_state.setText(f"Ready ({compute})")
+        self.model_loading_action.setVisible(False)
         self.model_picker.setCurrentText(name)
 
     # -- conversations -----------------------------------------------------------
@@ -338,6 +346,9 @@ class MainWindow(QMainWindow):
 
     def on_failed(self, message: str) -> None:
         self.progress.hide()
+        if not self.model_state.text().startswith("Ready"):
+            self.model_state.setText("No model loaded")
+            self.model_loading_action.setVisible(False)
         if self.conversation_id is not None:
             self.chat.show_messages(self._rendered(self.conversation_id))
         self.status_text.setText(message.splitlines()[0])
