@@ -246,11 +246,12 @@ class CacheIndex:
 
     def conversations_summary(self) -> list[dict]:
         """Per conversation: tokens, bytes on disk, KV format, last used."""
+        # One read of the chunk table, not a query per chunk: the sidebar asks after every turn.
+        chunks = {c["key"]: c for c in self.db["cache_chunks"].rows}
         summary = []
         for row in self.db["conversation_caches"].rows:
             keys = json.loads(row["chunk_keys"])
-            chunks = [self.chunk(k) for k in keys]
-            present = [c for c in chunks if c]
+            present = [chunks[k] for k in keys if k in chunks]
             summary.append(
                 {
                     "conversation_id": row["conversation_id"],

@@ -73,7 +73,7 @@ def test_reopening_restores_from_disk_and_matches_a_fresh_computation(
 def test_restore_fills_preallocated_buffers_of_the_exact_length(tiny_model, saved_conversation):
     engine = new_engine(tiny_model)
     entry = engine.index.conversation(saved_conversation)
-    result = engine.kvstore.restore(saved_conversation, [*entry.tokens, -1])
+    result = engine.kvstore.restore(entry, [*entry.tokens, -1])
     assert result.rejected is None and len(result.tokens) == len(entry.tokens)
     layer = result.cache[0]
     assert layer.offset == len(entry.tokens) == layer.keys.shape[2]

@@ -112,7 +112,7 @@ def _export(db, conversation_id: int, out: Path) -> int:
     if entry is None:
         print(f"reprise: conversation {conversation_id} has no saved cache", file=sys.stderr)
         return 1
-    result = kvstore.restore(conversation_id, [*entry.tokens, -1])
+    result = kvstore.restore(entry, [*entry.tokens, -1])
     if result.cache is None:
         print(f"reprise: the saved cache cannot be used: {result.rejected}", file=sys.stderr)
         return 1

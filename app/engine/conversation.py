@@ -205,11 +205,11 @@ class ConversationEngine:
             return RestoreInfo(source="memory", tokens=len(self.session.tokens))
         self.session.reset()
         self._in_memory = conversation_id
-        saved = self.index.conversation(conversation_id)
-        prompt = render(saved.tokens if saved else ())
-        entry, usable, size = self.kvstore.plan(conversation_id, prompt)
+        entry = self.index.conversation(conversation_id)
         if entry is None:
             return RestoreInfo(rejected="no saved cache")
+        prompt = render(entry.tokens)
+        usable, size = self.kvstore.plan(entry, prompt)
         if not _format_usable(entry.kv_format, kv):
             return RestoreInfo(
                 rejected=f"saved as {entry.kv_format}, which the current KV "
@@ -227,7 +227,7 @@ class ConversationEngine:
         ):
             info.rejected = "recomputing is estimated to be faster than reading"
             return info
-        result = self.kvstore.restore(conversation_id, prompt)
+        result = self.kvstore.restore(entry, prompt)
         info.seconds, info.bytes_read = result.seconds, result.bytes_read
         if result.cache is None:
             info.rejected = result.rejected

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import shutil
-import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -23,6 +21,7 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import build_hf_headers
 
 from app.engine.errors import UserError
+from app.engine.models import staged_folder
 
 # What mlx-lm needs to load a model, and nothing else: no PyTorch or GGUF copies, and
 # no custom Python code.
@@ -90,20 +89,14 @@ def download_model(
             "mlx-community on the hub has converted ones"
         )
     total = sum(size for _, size in files)
-    models_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".download-{name}-", dir=models_dir))
     done = 0
-    try:
+    with staged_folder(models_dir, name, "download") as staging:
         headers = build_hf_headers()
         for filename, size in files:
             url = hf_hub_url(repo_id, filename, revision=info.sha, endpoint=endpoint)
             done = _fetch(
                 url, headers, staging / filename, size, done, total, report, should_cancel
             )
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     report(total, total, "")
     return target
 

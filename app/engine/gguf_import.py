@@ -20,8 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from app.engine.errors import UserError
+from app.engine.models import staged_folder
 
 # GGUF tensor name -> mlx-lm llama parameter name.
 _TOP_LEVEL = {
@@ -116,9 +115,7 @@ def import_gguf(
     config = _model_config(meta, weights)
 
     report("Writing model folder", 3, 4)
-    models_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".import-{name}-", dir=models_dir))
-    try:
+    with staged_folder(models_dir, name, "import") as staging:
         mx.save_safetensors(str(staging / "model.safetensors"), weights, {"format": "mlx"})
         config["reprise"] = {
             "source": "gguf",
@@ -128,10 +125,6 @@ def import_gguf(
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "tokenizer.json").write_text(tokenizer_json)
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     report("Done", 4, 4)
     return ImportedModel(name, target, architecture)
 

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache, tr
 from app.engine import snapshots
 from app.engine.chat import common_prefix_length
 from app.engine.loading import LoadedModel
+from app.engine.stored_arrays import check_dtype, from_stored, to_numpy
 from sessions.cachefiles import (
     CacheIndex,
     CacheRejected,
@@ -107,12 +108,6 @@ def _layer_arrays(layer) -> dict[str, mx.array]:
     return named
 
 
-def _to_numpy(array: mx.array) -> np.ndarray:
-    if array.dtype == mx.bfloat16:  # numpy has no bfloat16: keep the bits
-        return np.array(array.view(mx.uint16))
-    return np.array(array)
-
-
 @dataclass
 class SaveReport:
     chunks_written: int = 0
@@ -160,7 +155,7 @@ class KVStore:
                 report.chunks_reused += 1
                 continue
             tensors = {
-                f"{i}.{name}": _to_numpy(array[..., start:end, :])
+                f"{i}.{name}": to_numpy(array[..., start:end, :])
                 for i, named in enumerate(layers)
                 for name, array in named.items()
             }
@@ -231,16 +226,11 @@ class KVStore:
 
     # -- restore -----------------------------------------------------------------
 
-    def plan(
-        self, conversation_id: int, prompt: list[int]
-    ) -> tuple[ConversationCache | None, int, int]:
-        """(entry, tokens usable, bytes to read) for restoring toward `prompt`."""
-        entry = self.index.conversation(conversation_id)
-        if entry is None:
-            return None, 0, 0
+    def plan(self, entry: ConversationCache, prompt: list[int]) -> tuple[int, int]:
+        """(tokens usable, bytes to read) for restoring `entry` toward `prompt`."""
         if entry.kv_format == SNAPSHOT:
             row = self.index.chunk(entry.chunk_keys[0])
-            return entry, len(entry.tokens), row["bytes"] if row else 0
+            return len(entry.tokens), row["bytes"] if row else 0
         usable = common_prefix_length(entry.tokens, prompt)
         usable = min(usable, len(prompt) - 1)
         size = 0
@@ -251,14 +241,11 @@ class KVStore:
                 break
             row = self.index.chunk(key)
             size += row["bytes"] if row else 0
-        return entry, usable, size
+        return usable, size
 
-    def restore(self, conversation_id: int, prompt: list[int]) -> RestoreResult:
+    def restore(self, entry: ConversationCache, prompt: list[int]) -> RestoreResult:
         """Rebuild the cache for the prefix `prompt` shares with the saved tokens."""
         started = time.perf_counter()
-        entry = self.index.conversation(conversation_id)
-        if entry is None:
-            return RestoreResult(None, [], rejected="no saved cache")
         try:
             cache, restored, size = self._load(entry, prompt)
         except CacheRejected as exc:
@@ -377,7 +364,7 @@ class KVStore:
                 layer, name = full_name.split(".", 1)
                 if int(layer) != i:
                     continue
-                _check_dtype(array.dtype)
+                check_dtype(array.dtype, full_name)
                 named[name] = []
             if not named:
                 raise CacheRejected(f"layer {i} is missing from the file")
@@ -402,7 +389,7 @@ class KVStore:
         cache = []
         for name, host in zip(classes, buffers, strict=True):
             named = {
-                key: mx.concatenate([_to_mlx(piece) for piece in pieces], axis=2)
+                key: mx.concatenate([from_stored(piece) for piece in pieces], axis=2)
                 for key, pieces in host.items()
             }
             if name == "QuantizedKVCache":
@@ -426,14 +413,3 @@ def _load_mlx(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
     tensors, metadata = mx.load(str(path), return_metadata=True)
     mx.eval(list(tensors.values()))
     return tensors, metadata
-
-
-def _check_dtype(dtype: mx.Dtype) -> None:
-    if dtype not in (mx.float32, mx.float16, mx.uint32, mx.uint16):
-        raise CacheRejected(f"unsupported dtype {dtype}")
-
-
-def _to_mlx(array: mx.array) -> mx.array:
-    if array.dtype == mx.uint16:  # bfloat16, stored as its raw 16 bits
-        return array.view(mx.bfloat16)
-    return array

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,6 +89,21 @@ def resolve(name_or_path: str | None, models_dir: Path) -> Path:
         return path
     known = ", ".join(m.name for m in list_models(models_dir)) or "none"
     raise ModelNotFound(f"No model {name_or_path!r} (installed: {known})")
+
+
+@contextmanager
+def staged_folder(models_dir: Path, name: str, kind: str) -> Iterator[Path]:
+    """A hidden folder to build model `name` in, renamed into place only if the block
+    completes; on any failure (or Cancel) it is removed and nothing is left behind.
+    Hidden folders are skipped by `list_models`."""
+    models_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{kind}-{name}-", dir=models_dir))
+    try:
+        yield staging
+        staging.rename(models_dir / name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def delete(name: str, models_dir: Path) -> None:

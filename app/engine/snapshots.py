@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from app.engine.stored_arrays import check_dtype, from_stored, to_numpy
 from sessions.cachefiles import CacheRejected
 
 CHUNKABLE = (KVCache, QuantizedKVCache)
@@ -34,12 +35,6 @@ SNAPSHOT_CLASSES = {
 
 def is_chunkable(cache: list) -> bool:
     return all(type(layer) in CHUNKABLE for layer in cache)
-
-
-def _numpy(array: mx.array) -> np.ndarray:
-    if array.dtype == mx.bfloat16:  # numpy has no bfloat16: keep the bits
-        return np.array(array.view(mx.uint16))
-    return np.array(array)
 
 
 def snapshot(cache: list) -> tuple[dict[str, np.ndarray], str]:
@@ -57,11 +52,11 @@ def snapshot(cache: list) -> tuple[dict[str, np.ndarray], str]:
             )
         for n, item in enumerate(state):
             if isinstance(item, mx.array):
-                tensors[f"{i}.{n}"] = _numpy(item)
+                tensors[f"{i}.{n}"] = to_numpy(item)
                 items.append(["array", f"{i}.{n}"])
             elif isinstance(item, tuple | list) and item and isinstance(item[0], mx.array):
                 names = [f"{i}.{n}.{m}" for m in range(len(item))]
-                tensors.update({name: _numpy(a) for name, a in zip(names, item, strict=True)})
+                tensors.update({name: to_numpy(a) for name, a in zip(names, item, strict=True)})
                 items.append(["arrays", names])
             elif item is None or isinstance(item, int | float | str | bool):
                 items.append(["value", item])
@@ -74,10 +69,8 @@ def snapshot(cache: list) -> tuple[dict[str, np.ndarray], str]:
 def _array(tensors: dict[str, mx.array], name: str) -> mx.array:
     if name not in tensors:
         raise CacheRejected(f"tensor {name} is missing")
-    array = tensors[name]
-    if array.dtype not in (mx.float32, mx.float16, mx.uint32, mx.uint16):
-        raise CacheRejected(f"{name} has an unsupported dtype {array.dtype}")
-    return array.view(mx.bfloat16) if array.dtype == mx.uint16 else array
+    check_dtype(tensors[name].dtype, name)
+    return from_stored(tensors[name])
 
 
 def restore(template: list, tensors: dict[str, mx.array], layout_json: str) -> list:
