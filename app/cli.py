@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens", type=int, nargs="+", default=[1024, 4096], help="history lengths to measure"
     )
     reopen.add_argument("--json", action="store_true")
+    kv = bench_commands.add_parser("kv", help="KV-cache quantization: quality, memory, speed")
+    kv.add_argument("--model", help="model name or folder (default: the starter model)")
+    kv.add_argument("--tokens", type=int, default=4096, help="text length, continuation included")
+    kv.add_argument("--continuation", type=int, default=256, help="tokens scored one at a time")
+    kv.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    kv.add_argument("--modes", nargs="+", help="only these rows (and 16-bit)")
+    kv.add_argument("--json", action="store_true")
     return parser
 
 
@@ -179,6 +186,10 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench import reopen
 
         return reopen.main(args)
+    if args.bench_command == "kv":
+        from app.bench import kv_quality
+
+        return kv_quality.main(args)
     from app.bench import cpu_path
 
     return cpu_path.main(args)

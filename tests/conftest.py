@@ -48,6 +48,28 @@ def tiny_model(tiny_model_dir):
     return load(tiny_model_dir)
 
 
+SLIDING_WINDOW = 16
+
+
+@pytest.fixture(scope="session")
+def sliding_model(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a sliding-window first layer (mlx-lm's RotatingKVCache)."""
+    import json
+    import shutil
+
+    from app.engine.loading import load
+
+    folder = tmp_path_factory.mktemp("sliding") / "tiny-sliding"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": SLIDING_WINDOW,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return load(folder)
+
+
 @pytest.fixture(scope="session")
 def starter_gguf() -> Path:
     path = os.environ.get("REPRISE_STARTER_GGUF") or str(DEFAULT_STARTER_GGUF)

@@ -237,13 +237,13 @@ def test_quantized_caches_save_and_restore(tiny_model):
     engine = new_engine(tiny_model)
     conversation = engine.store.create(tiny_model.name)
     turn(engine, conversation.id, "hello in eight bits", quantized)
-    assert CacheIndex(open_db()).conversation(conversation.id).kv_format == "q8g32"
+    assert CacheIndex(open_db()).conversation(conversation.id).kv_format == "k8v8g32s4"
 
     reopened = new_engine(tiny_model)
     saved_tokens = reopened.index.conversation(conversation.id).tokens
     finished, _ = turn(reopened, conversation.id, "still eight bits", quantized)
     assert finished.stats.extra["restore_source"] == "disk"
-    assert finished.stats.kv_format == "8-bit (group 32)"
+    assert finished.stats.kv_format == "8-bit (group 32, 16-bit first 4 + last 64 tokens)"
     assert finished.stats.reused_tokens == len(saved_tokens)
     assert finished.text == fresh_reply(
         tiny_model, reopened, conversation.id, quantized, known=saved_tokens
@@ -253,6 +253,56 @@ def test_quantized_caches_save_and_restore(tiny_model):
     finished, _ = turn(new_engine(tiny_model), conversation.id, "now full precision")
     assert finished.stats.extra["restore_source"] == "recompute"
     assert "cannot use" in finished.stats.extra["cache_rejected"]
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_every_quantized_scheme_comes_back_as_it_was_saved(tiny_model, bits):
+    """The app's 4-bit (rotated keys, float16 sink) and the 4-bit structure at other
+    widths: chunks hold every token quantized, the sink in float16 as well."""
+    options = TurnOptions(
+        sampling=SamplingSettings.greedy(10), kv=KVSettings(bits=bits, group_size=32)
+    )
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    text = "a message long enough to fill several chunks of sixteen tokens, and then some more"
+    turn(engine, conversation.id, text, options)
+    live = engine.session.cache
+    entry = CacheIndex(open_db()).conversation(conversation.id)
+    assert entry.kv_format == f"k{bits}v{bits}g32s4h"
+    stored = live[0].stored()
+    assert len(entry.tokens) == stored and stored > 3 * CHUNK
+
+    # What came back is what was saved, bit for bit (the float16 recent window comes
+    # back in its quantized form: it is not saved twice).
+    restored = new_engine(tiny_model).kvstore.restore(entry, [*entry.tokens, 1]).cache
+    for saved_layer, restored_layer in zip(live, restored, strict=True):
+        assert restored_layer.scheme.format == saved_layer.scheme.format
+        want = saved_layer.quantized_tokens(0, stored)
+        assert restored_layer.stored() == stored
+        got = restored_layer.quantized_tokens(0, stored)
+        assert want.keys() == got.keys() and {"sk", "sv", "k.2", "v.2"} <= set(got)
+        assert all(mx.array_equal(want[name], got[name]) for name in want)
+
+    reopened = new_engine(tiny_model)
+    finished, _ = turn(reopened, conversation.id, "and again", options)
+    assert finished.stats.extra["restore_source"] == "disk"
+    assert finished.stats.reused_tokens == stored
+
+
+def test_a_changed_kv_preference_converts_or_recomputes(tiny_model, saved_conversation):
+    """16-bit -> 4-bit is lossless with respect to a fresh run: convert. 4-bit -> 8-bit
+    is not: recompute, and say why."""
+    four = TurnOptions(sampling=OPTIONS.sampling, kv=KVSettings(bits=4, group_size=32))
+    finished, _ = turn(new_engine(tiny_model), saved_conversation, "now in 4 bits", four)
+    assert finished.stats.extra["restore_source"] == "disk"
+    assert finished.stats.kv_format.startswith("4-bit (group 32")
+    assert CacheIndex(open_db()).conversation(saved_conversation).kv_format == "k4v4g32s4h"
+
+    eight = TurnOptions(sampling=OPTIONS.sampling, kv=KVSettings(bits=8, group_size=32))
+    finished, _ = turn(new_engine(tiny_model), saved_conversation, "now in 8 bits", eight)
+    assert finished.stats.extra["restore_source"] == "recompute"
+    assert "saved as k4v4g32s4h" in finished.stats.extra["cache_rejected"]
+    assert finished.stats.kv_format.startswith("8-bit (group 32")
 
 
 def test_the_planner_recomputes_when_that_is_faster(tiny_model, saved_conversation):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import KVCache
 
 from app.engine import chat as chat_module
 from app.engine.chat import ChatSession, ContextFull, common_prefix_length
@@ -15,6 +15,7 @@ from app.engine.generation import (
     TextDelta,
     TurnFinished,
 )
+from app.engine.kvquant import MixedKVCache
 
 
 def run(session, messages, **kwargs) -> tuple[TurnFinished, list]:
@@ -182,8 +183,8 @@ def test_kv_quantization_after_the_start_threshold(tiny_model):
 
     kv = KVSettings(bits=8, group_size=32, quantized_kv_start=0)
     second, _ = run(session, [{"role": "user", "content": "hi"}], sampling=GREEDY, kv=kv)
-    assert isinstance(session.cache[0], QuantizedKVCache)
-    assert second.stats.kv_format == "8-bit (group 32)"
+    assert isinstance(session.cache[0], MixedKVCache)
+    assert second.stats.kv_format == "8-bit (group 32, 16-bit first 4 + last 64 tokens)"
     assert second.stats.reused_tokens > 0  # a full-precision cache converts losslessly
     assert 0 < second.stats.kv_bytes < first.stats.kv_bytes
 

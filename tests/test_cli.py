@@ -81,7 +81,7 @@ def test_chat_json_prints_reply_and_stats(tiny_model_dir):
     record = json.loads(done.stdout)
     assert record["model"] == "tiny-random-llama"
     assert record["generated_tokens"] == 7 and record["finish_reason"] == "length"
-    assert record["kv_format"] == "8-bit (group 32)"
+    assert record["kv_format"] == "8-bit (group 32, 16-bit first 4 + last 64 tokens)"
     for key in (
         "reply",
         "prompt_tokens",

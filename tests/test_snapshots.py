@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+from conftest import SLIDING_WINDOW
+from mlx_lm.models.cache import RotatingKVCache
 
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings, TurnFinished
-from app.engine.loading import load
+from app.engine.kvquant import MixedKVCache
 from sessions.cachefiles import CacheIndex, path_from_url, read_file, write_file
 from sessions.db import open_db
-
-WINDOW = 16
-
-
-@pytest.fixture(scope="module")
-def sliding_model(tiny_model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sliding") / "tiny-sliding"
-    shutil.copytree(tiny_model_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config |= {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": WINDOW}
-    (folder / "config.json").write_text(json.dumps(config))
-    return load(folder)
 
 
 def turn(engine, conversation_id, text, options) -> TurnFinished:
@@ -52,9 +40,12 @@ def test_a_sliding_window_conversation_reopens_from_its_snapshot(sliding_model, 
     conversation = engine.store.create(sliding_model.name)
     turn(engine, conversation.id, "a first message longer than the sliding window", options)
     turn(engine, conversation.id, "and a second one", options)
-    assert isinstance(engine.session.cache[0], RotatingKVCache)  # never quantized: no crash
-    if bits:
-        assert isinstance(engine.session.cache[1], QuantizedKVCache)
+    window, full = engine.session.cache
+    if bits:  # the sliding window is quantized too
+        assert isinstance(window, MixedKVCache) and window.max_size == SLIDING_WINDOW
+        assert isinstance(full, MixedKVCache) and full.scheme.key_bits == bits
+    else:
+        assert isinstance(window, RotatingKVCache)
     entry = CacheIndex(open_db()).conversation(conversation.id)
     assert entry.kv_format == "snapshot" and len(entry.chunk_keys) == 1
     assert CacheIndex(open_db()).usage()[0] == 1  # the previous snapshot was released

@@ -15,12 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import (
-    KVCache,
-    QuantizedKVCache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from app.engine.errors import UserError
@@ -32,6 +27,7 @@ from app.engine.generation import (
     TurnFinished,
     TurnStats,
 )
+from app.engine.kvquant import MixedKVCache, quantizer, scheme_for
 from app.engine.loading import LoadedModel
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
@@ -104,12 +100,19 @@ class ChatSession:
         return sum(c.nbytes for c in self.cache) if self.cache else 0
 
     def _cache_usable(self, kv: KVSettings) -> bool:
-        for layer in self.cache or []:
-            if isinstance(layer, QuantizedKVCache) and (
-                kv.bits != layer.bits or kv.group_size != layer.group_size
-            ):
+        """Whether the cache can go on under `kv`; a quantized cache is never used
+        for another scheme (or for full precision), a full-precision one always."""
+        if self.cache is None:
+            return False
+        wanted = scheme_for(kv.bits, kv.group_size)
+        for layer in self.cache:
+            if isinstance(layer, QuantizedKVCache):  # mlx-lm's: never made by the app now
                 return False
-        return self.cache is not None
+            if isinstance(layer, MixedKVCache):
+                if wanted is None or layer.scheme.format != wanted.format:
+                    return False
+                layer.set_window(wanted.window)
+        return True
 
     def _reuse_prefix(self, prompt: list[int], kv: KVSettings) -> int:
         """Trim the cache to what `prompt` shares with it; return the kept token count."""
@@ -249,18 +252,7 @@ class ChatSession:
         yield self._finish(stats, detokenizer.text, reason, started)
 
     def _quantizer(self, kv: KVSettings) -> Callable[[list], None]:
-        if kv.bits is None:
-            return lambda cache: None
-
-        def quantize(cache: list) -> None:
-            # As mlx-lm's maybe_quantize_kv_cache, but only plain KVCache layers: it
-            # raises NotImplementedError on sliding-window (RotatingKVCache) layers,
-            # which stay in full precision.
-            for i, layer in enumerate(cache):
-                if type(layer) is KVCache and layer.offset >= kv.quantized_kv_start:
-                    cache[i] = layer.to_quantized(group_size=kv.group_size, bits=kv.bits)
-
-        return quantize
+        return quantizer(scheme_for(kv.bits, kv.group_size), kv.quantized_kv_start)
 
     def _finish(self, stats: TurnStats, text: str, reason: str, started: float) -> TurnFinished:
         stats.finish_reason = reason
@@ -273,7 +265,7 @@ class ChatSession:
 
     def _kv_format(self) -> str:
         layer = (self.cache or [None])[0]
-        if isinstance(layer, QuantizedKVCache):
-            return f"{layer.bits}-bit (group {layer.group_size})"
+        if isinstance(layer, MixedKVCache):
+            return layer.scheme.describe()
         keys = getattr(layer, "keys", None)
         return str(keys.dtype).split(".")[-1] if keys is not None else "empty"

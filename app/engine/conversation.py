@@ -17,7 +17,8 @@ import sqlite_utils
 
 from app.engine.chat import ChatSession, Event
 from app.engine.generation import KVSettings, SamplingSettings, TextDelta, TurnFinished
-from app.engine.kvstore import KVStore, SaveReport
+from app.engine.kvquant import scheme_for, usable_format
+from app.engine.kvstore import SNAPSHOT, KVStore, SaveReport
 from app.engine.loading import LoadedModel
 from sessions.cachefiles import CacheIndex, DiskFull
 from sessions.conversations import ConversationStore, ReplyWriter
@@ -62,14 +63,6 @@ class RestoreInfo:
             "estimate_recompute_s": self.estimate_recompute_s,
             "cache_rejected": self.rejected,
         }
-
-
-def _format_usable(stored: str, kv: KVSettings) -> bool:
-    """A full-precision cache serves any setting (quantizing it later is what a fresh run
-    does too); a quantized one only the same setting."""
-    if not stored.startswith("q"):
-        return True
-    return kv.bits is not None and stored == f"q{kv.bits}g{kv.group_size}"
 
 
 class ConversationEngine:
@@ -210,7 +203,9 @@ class ConversationEngine:
             return RestoreInfo(rejected="no saved cache")
         prompt = render(entry.tokens)
         usable, size = self.kvstore.plan(entry, prompt)
-        if not _format_usable(entry.kv_format, kv):
+        if entry.kv_format != SNAPSHOT and not usable_format(
+            entry.kv_format, scheme_for(kv.bits, kv.group_size)
+        ):
             return RestoreInfo(
                 rejected=f"saved as {entry.kv_format}, which the current KV "
                 f"setting ({kv.describe()}) cannot use"

@@ -26,6 +26,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache, tr
 
 from app.engine import snapshots
 from app.engine.chat import common_prefix_length
+from app.engine.kvquant import MixedKVCache, parse_format
 from app.engine.loading import LoadedModel
 from app.engine.stored_arrays import check_dtype, from_stored, to_numpy
 from sessions.cachefiles import (
@@ -39,7 +40,11 @@ from sessions.cachefiles import (
 
 SNAPSHOT = "snapshot"
 # The only cache classes ever built from a file (never a name looked up at large).
-ALLOWED_CLASSES = {"KVCache": KVCache, "QuantizedKVCache": QuantizedKVCache}
+ALLOWED_CLASSES = {
+    "KVCache": KVCache,
+    "QuantizedKVCache": QuantizedKVCache,
+    "MixedKVCache": MixedKVCache,
+}
 _PARTS = ("k", "v")
 
 
@@ -68,10 +73,13 @@ def model_fingerprint(model_dir: Path) -> str:
 
 
 def kv_format(cache: list) -> str | None:
-    """ "float32", "float16", "q8g64", ...; None when layers differ or are not allow-listed."""
+    """ "float32", "float16", "q8g64" (mlx-lm's), "k4v4g64s4h" (ours), ...; None when
+    layers differ or are not allow-listed."""
     formats = set()
     for layer in cache:
-        if type(layer) is QuantizedKVCache:
+        if type(layer) is MixedKVCache and layer.max_size is None:
+            formats.add(layer.scheme.format)
+        elif type(layer) is QuantizedKVCache:
             formats.add(f"q{layer.bits}g{layer.group_size}")
         elif type(layer) is KVCache and layer.keys is not None:
             formats.add(str(layer.keys.dtype).split(".")[-1])
@@ -97,15 +105,20 @@ def chunk_keys(
     return result
 
 
-def _layer_arrays(layer) -> dict[str, mx.array]:
-    """A layer's buffers as named arrays (token axis at 2; valid up to `layer.offset`)."""
-    keys, values = layer.keys, layer.values
-    named = {}
-    for part, state in zip(_PARTS, (keys, values), strict=True):
-        items = state if isinstance(state, tuple | list) else (state,)
-        for n, array in enumerate(items):
-            named[f"{part}.{n}"] = array
-    return named
+def _chunk_tensors(cache: list, start: int, end: int) -> dict[str, np.ndarray]:
+    """Tokens [start, end) of every layer, as the named arrays a chunk file holds."""
+    tensors = {}
+    for i, layer in enumerate(cache):
+        if isinstance(layer, MixedKVCache):
+            named = layer.quantized_tokens(start, end)
+        else:
+            named = {}
+            for part, state in zip(_PARTS, (layer.keys, layer.values), strict=True):
+                items = state if isinstance(state, tuple | list) else (state,)
+                for n, array in enumerate(items):
+                    named[f"{part}.{n}"] = array[..., start:end, :]
+        tensors.update({f"{i}.{name}": to_numpy(array) for name, array in named.items()})
+    return tensors
 
 
 @dataclass
@@ -145,7 +158,6 @@ class KVStore:
             self.index.forget_conversation(conversation_id)
             return report
         chunks = chunk_keys(self.fingerprint, fmt, tokens, self.chunk_tokens)
-        layers = [_layer_arrays(layer) for layer in cache]
         classes = json.dumps([type(layer).__name__ for layer in cache])
         existing = []
         for key, start, end in chunks:
@@ -154,11 +166,7 @@ class KVStore:
                 existing.append(key)
                 report.chunks_reused += 1
                 continue
-            tensors = {
-                f"{i}.{name}": to_numpy(array[..., start:end, :])
-                for i, named in enumerate(layers)
-                for name, array in named.items()
-            }
+            tensors = _chunk_tensors(cache, start, end)
             metadata = {
                 "model": self.fingerprint,
                 "kv_format": fmt,
@@ -168,7 +176,7 @@ class KVStore:
                 "tokens_hash": _tokens_hash(tokens[start:end]),
                 "layers": str(len(cache)),
                 "classes": classes,
-                "dtype": str(layers[0]["k.0"].dtype).split(".")[-1],
+                "dtype": str(tensors["0.k.0"].dtype),
             }
             path = self.index.chunk_path(key)
             size = write_file(path, tensors, metadata)
@@ -337,17 +345,33 @@ class KVStore:
             if name not in ALLOWED_CLASSES:
                 raise CacheRejected(f"unknown cache class {name!r}")
 
-    def _expected_shape(self, name: str, fmt: str, tokens: int) -> tuple[int, ...]:
+    def _expected_shape(self, name: str, fmt: str, start: int, end: int) -> tuple[int, ...] | None:
+        """The shape tensor `name` (of one layer) has in chunk [start, end) of a cache
+        saved as `fmt`; None where the chunk has no such tensor."""
         heads = int(
             self.loaded.config.get("num_key_value_heads")
             or self.loaded.config["num_attention_heads"]
         )
         dim = self.loaded.head_dim
-        if fmt.startswith("q"):
+        part, _, n = name.partition(".")
+        if fmt.startswith("k"):  # ours: see kvquant.MixedKVCache.quantized_tokens
+            scheme = parse_format(fmt)
+            if name in ("sk", "sv"):
+                return (
+                    (1, heads, min(scheme.sink, end), dim) if start == 0 and scheme.sink else None
+                )
+            bits = scheme.key_bits if part == "k" else scheme.value_bits
+            group = scheme.group_size
+        elif fmt.startswith("q"):
             bits, group = (int(x) for x in fmt[1:].split("g"))
-            widths = {"0": dim * bits // 32, "1": dim // group, "2": dim // group}
-            return (1, heads, tokens, widths[name.rsplit(".", 1)[-1]])
-        return (1, heads, tokens, dim)
+        else:
+            bits, group = None, dim
+        widths = (
+            {"0": dim}
+            if bits is None
+            else {"0": dim * bits // 32, "1": dim // group, "2": dim // group}
+        )
+        return (1, heads, end - start, widths[n]) if part in _PARTS and n in widths else None
 
     def _collectors(self, tensors, layers: int) -> list[dict[str, list]]:
         """Per layer and tensor, the list its chunks are collected in.
@@ -372,13 +396,18 @@ class KVStore:
         return buffers
 
     def _copy_in(self, buffers, tensors, metadata, start: int, end: int) -> None:
-        expected = sum(len(b) for b in buffers)
-        if len(tensors) != expected:
-            raise CacheRejected("tensor count does not match the model")
+        fmt = metadata["kv_format"]
+        for i, named in enumerate(buffers):
+            wanted = {n for n in named if self._expected_shape(n, fmt, start, end) is not None}
+            present = {full.split(".", 1)[1] for full in tensors if full.split(".", 1)[0] == str(i)}
+            if present != wanted:
+                raise CacheRejected(f"layer {i} has the wrong tensors")
+        if len(tensors) != sum(1 for full in tensors if full.split(".", 1)[0].isdigit()):
+            raise CacheRejected("a tensor is not named by layer")
         for full_name, array in tensors.items():
             layer, name = full_name.split(".", 1)
             pieces = buffers[int(layer)].get(name)
-            want = self._expected_shape(name, metadata["kv_format"], end - start)
+            want = self._expected_shape(name, fmt, start, end)
             if pieces is None or tuple(array.shape) != want:
                 raise CacheRejected(f"{full_name} has the wrong shape {tuple(array.shape)}")
             if pieces and array.dtype != pieces[0].dtype:
@@ -392,6 +421,15 @@ class KVStore:
                 key: mx.concatenate([from_stored(piece) for piece in pieces], axis=2)
                 for key, pieces in host.items()
             }
+            family = {"MixedKVCache": "k", "QuantizedKVCache": "q"}.get(name, "float")
+            if not fmt.startswith(family):
+                raise CacheRejected(f"{name} layers in a {fmt} cache")
+            if name == "MixedKVCache":
+                layer = MixedKVCache.from_quantized(parse_format(fmt), named)
+                if layer.stored() != total:
+                    raise CacheRejected("restored length does not match")
+                cache.append(layer)
+                continue
             if name == "QuantizedKVCache":
                 bits, group = (int(x) for x in fmt[1:].split("g"))
                 layer = QuantizedKVCache(group_size=group, bits=bits)
@@ -404,7 +442,7 @@ class KVStore:
             if named["k.0"].shape[2] != total:
                 raise CacheRejected("restored length does not match")
             cache.append(layer)
-        mx.eval([(layer.keys, layer.values) for layer in cache])
+        mx.eval([layer.state for layer in cache])
         return cache
 
 

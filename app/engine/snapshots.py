@@ -20,21 +20,26 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from app.engine.kvquant import SIXTEEN_BIT, MixedKVCache
 from app.engine.stored_arrays import check_dtype, from_stored, to_numpy
 from sessions.cachefiles import CacheRejected
 
-CHUNKABLE = (KVCache, QuantizedKVCache)
-# Classes a snapshot may hold; a KVCache layer may have become a QuantizedKVCache.
+CHUNKABLE = (KVCache, QuantizedKVCache, MixedKVCache)
+# Classes a snapshot may hold; KVCache and RotatingKVCache layers may have been quantized.
 SNAPSHOT_CLASSES = {
     "KVCache": KVCache,
     "QuantizedKVCache": QuantizedKVCache,
+    "MixedKVCache": MixedKVCache,
     "RotatingKVCache": RotatingKVCache,
     "ArraysCache": ArraysCache,
 }
+_QUANTIZABLE = (KVCache, RotatingKVCache)
 
 
 def is_chunkable(cache: list) -> bool:
-    return all(type(layer) in CHUNKABLE for layer in cache)
+    return all(
+        type(layer) in CHUNKABLE and getattr(layer, "max_size", None) is None for layer in cache
+    )
 
 
 def snapshot(cache: list) -> tuple[dict[str, np.ndarray], str]:
@@ -89,6 +94,8 @@ def restore(template: list, tensors: dict[str, mx.array], layout_json: str) -> l
             raise CacheRejected(f"unknown cache class {name!r}")
         if name == "QuantizedKVCache" and type(layer) is KVCache:
             layer = QuantizedKVCache()
+        elif name == "MixedKVCache" and type(layer) in _QUANTIZABLE:
+            layer = MixedKVCache(SIXTEEN_BIT)  # the state names its scheme
         elif name != type(layer).__name__:
             raise CacheRejected(f"a {name} layer where the model has {type(layer).__name__}")
         state = []
@@ -104,7 +111,7 @@ def restore(template: list, tensors: dict[str, mx.array], layout_json: str) -> l
             else:
                 raise CacheRejected(f"unknown snapshot item {kind!r}")
         keys = state[0][0] if isinstance(state[0], tuple) else state[0]
-        if keys.ndim != 4 and name != "ArraysCache":
+        if name not in ("ArraysCache", "MixedKVCache") and keys.ndim != 4:
             raise CacheRejected(f"a {name} layer with the wrong shape {keys.shape}")
         try:
             layer.state = tuple(state) if name != "ArraysCache" else state

@@ -1,0 +1,456 @@
+"""Quantized KV caches that keep replies intact: the app's 8-bit and 4-bit.
+
+mlx-lm's `QuantizedKVCache` quantizes every key and value with one bit width.
+At 4 bits that makes small models loop: a few key channels carry large
+outliers, and the first tokens (attention sinks) and the last few (what the
+next word mostly depends on) lose the precision the model leans on most.
+`MixedKVCache` stores the bulk of the context quantized, with
+
+- separate bit widths for keys and values (keys are the sensitive half),
+- the first `sink` tokens and the last `window` tokens kept in float16,
+- optionally the keys rotated by a Walsh-Hadamard transform before
+  quantizing, which spreads an outlier channel over the whole group.
+
+Attention reads the cache back as one dequantized array per layer (a
+temporary the size of one layer's keys and values), so it runs wherever
+`mx.fast.scaled_dot_product_attention` does, the CUDA backend included, whose
+`quantized_matmul` lacks the decode shapes mlx-lm's quantized attention needs.
+
+A layer can also be a sliding window (`max_size`), the quantized counterpart
+of mlx-lm's `RotatingKVCache`: old tokens are dropped from the front, keeping
+the first `keep`. Tokens are always held in temporal order.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, RotatingKVCache, create_attention_mask
+
+_STORE = mx.float16  # full-precision parts are kept in 16 bits, whatever the model computes in
+# Tokens past the window gather in the float16 tail until this many can be
+# quantized at once (one step of work instead of one per generated token).
+_FLUSH_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    """How a KV cache stores its tokens. None bits keep that half in float16."""
+
+    key_bits: int | None
+    value_bits: int | None
+    group_size: int = 64
+    sink: int = 0
+    window: int = 0
+    rotate_keys: bool = False
+
+    def __post_init__(self) -> None:
+        for bits in (self.key_bits, self.value_bits):
+            if bits not in (None, 2, 3, 4, 5, 6, 8):
+                raise ValueError(f"KV bits must be 2-6, 8 or None, not {bits}")
+
+    @property
+    def format(self) -> str:
+        """What a saved cache needs to be used again ("k4v4g64s4h"); the float16
+        window is not saved (it comes back quantized), so it is not part of it."""
+        kb, vb = self.key_bits or 16, self.value_bits or 16
+        text = f"k{kb}v{vb}g{self.group_size}"
+        return text + (f"s{self.sink}" if self.sink else "") + ("h" if self.rotate_keys else "")
+
+    def describe(self) -> str:
+        """ "4-bit (group 64, 16-bit first 4 + last 64 tokens, rotated keys)"."""
+        if self.key_bits is None and self.value_bits is None:
+            return "16-bit"
+        kb, vb = self.key_bits or 16, self.value_bits or 16
+        text = f"{kb}-bit" if kb == vb else f"{kb}-bit keys, {vb}-bit values"
+        extras = [f"group {self.group_size}"]
+        if self.sink or self.window:
+            extras.append(f"16-bit first {self.sink} + last {self.window} tokens")
+        if self.rotate_keys:
+            extras.append("rotated keys")
+        return f"{text} ({', '.join(extras)})"
+
+    def bits_per_value(self) -> float:
+        """Average stored bits per key or value element, scales and biases included."""
+
+        def one(bits: int | None) -> float:
+            return 16.0 if bits is None else bits + 32 / self.group_size
+
+        return (one(self.key_bits) + one(self.value_bits)) / 2
+
+
+SIXTEEN_BIT = KVScheme(None, None)
+# What the Memory preference's "8-bit" and "4-bit" mean, chosen from `reprise bench kv`
+# (see the README's table): group size 64, replaced by the preference's.
+APP_SCHEMES = {
+    "8-bit": KVScheme(8, 8, 64, sink=4, window=64),
+    "4-bit": KVScheme(4, 4, 64, sink=4, window=64, rotate_keys=True),
+}
+
+
+def scheme_for(bits: int | None, group_size: int = 64) -> KVScheme | None:
+    """The scheme the KV preference names: the app's 8-bit or 4-bit, other widths
+    stored the way the 4-bit is; None keeps the cache in the model's precision."""
+    if bits is None:
+        return None
+    chosen = APP_SCHEMES.get(f"{bits}-bit") or replace(
+        APP_SCHEMES["4-bit"], key_bits=bits, value_bits=bits
+    )
+    return replace(chosen, group_size=group_size)
+
+
+def usable_format(stored: str, wanted: KVScheme | None) -> bool:
+    """Whether a cache saved as `stored` can serve the `wanted` scheme: a
+    full-precision one always can (quantizing it is lossless with respect to a
+    fresh run); a quantized one only the same scheme."""
+    if stored in ("float32", "float16", "bfloat16"):
+        return True
+    return wanted is not None and stored == wanted.format
+
+
+def parse_format(text: str) -> KVScheme:
+    """The scheme a saved format names (window 0: saved caches hold none)."""
+    match = re.fullmatch(r"k(\d+)v(\d+)g(\d+)(?:s(\d+))?(h?)", text)
+    if not match:
+        raise ValueError(f"not a KV scheme format: {text!r}")
+    kb, vb, group, sink, rotate = match.groups()
+    return KVScheme(
+        None if kb == "16" else int(kb),
+        None if vb == "16" else int(vb),
+        int(group),
+        int(sink or 0),
+        0,
+        bool(rotate),
+    )
+
+
+class TokenStore:
+    """One half (keys or values) of a layer's tokens along axis 2, float16 or
+    quantized, in a buffer that grows in steps and can drop tokens from its front."""
+
+    step = 256
+
+    def __init__(self, bits: int | None, group_size: int, rotate: bool = False) -> None:
+        self.bits, self.group_size, self.rotate = bits, group_size, rotate
+        self.buffers: list[mx.array] = []
+        self.lo = self.hi = 0
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def encode(self, x: mx.array) -> list[mx.array]:
+        x = x.astype(_STORE)
+        if self.rotate:
+            x = mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
+        if self.bits is None:
+            return [x]
+        return list(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def decode(self, parts: list[mx.array], dtype: mx.Dtype) -> mx.array:
+        if self.bits is None:
+            x = parts[0]
+        else:
+            weights, scales, biases = parts
+            if dtype == mx.float32:
+                # CPU float16 arithmetic is emulated: dequantizing with float16 scales
+                # took 6x as long as with the (small) scales upcast first.
+                scales, biases = scales.astype(dtype), biases.astype(dtype)
+            x = mx.dequantize(weights, scales, biases, group_size=self.group_size, bits=self.bits)
+        x = x.astype(dtype)
+        if self.rotate:  # the normalized transform is its own inverse
+            x = mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
+        return x
+
+    def append(self, x: mx.array) -> None:
+        self.append_encoded(self.encode(x))
+
+    def append_encoded(self, parts: list[mx.array]) -> None:
+        n = parts[0].shape[2]
+        if not self.buffers or self.hi + n > self.buffers[0].shape[2]:
+            self._regrow(n, parts)
+        for buffer, part in zip(self.buffers, parts, strict=True):
+            buffer[..., self.hi : self.hi + n, :] = part
+        self.hi += n
+
+    def _regrow(self, n: int, parts: list[mx.array]) -> None:
+        """Move the live tokens to the front of a buffer with room for `n` more."""
+        size = len(self)
+        capacity = (size + n + self.step - 1) // self.step * self.step
+        grown = []
+        for i, part in enumerate(parts):
+            shape = (*part.shape[:2], capacity, part.shape[3])
+            fresh = mx.zeros(shape, part.dtype)
+            if size:
+                fresh[..., :size, :] = self.buffers[i][..., self.lo : self.hi, :]
+            grown.append(fresh)
+        self.buffers, self.lo, self.hi = grown, 0, size
+
+    def encoded(self, start: int = 0, end: int | None = None) -> list[mx.array]:
+        end = len(self) if end is None else end
+        return [b[..., self.lo + start : self.lo + end, :] for b in self.buffers]
+
+    def read(self, dtype: mx.Dtype, start: int = 0, end: int | None = None) -> mx.array:
+        return self.decode(self.encoded(start, end), dtype)
+
+    def drop_front(self, n: int) -> None:
+        self.lo += min(n, len(self))
+
+    def trim(self, n: int) -> None:
+        self.hi -= min(n, len(self))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+
+def _cat(arrays: list[mx.array | None]) -> mx.array | None:
+    arrays = [a for a in arrays if a is not None and a.shape[2]]
+    if not arrays:
+        return None
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=2)
+
+
+class MixedKVCache:
+    """A layer's KV cache stored per `KVScheme`: float16 sink, quantized bulk,
+    float16 recent window. Drop-in for mlx-lm's KVCache / RotatingKVCache."""
+
+    def __init__(self, scheme: KVScheme, max_size: int | None = None, keep: int = 0) -> None:
+        self._setup(scheme, max_size, keep)
+
+    def _setup(self, scheme: KVScheme, max_size: int | None, keep: int) -> None:
+        self.scheme = scheme
+        self.max_size, self.keep = max_size, keep
+        # A sliding window keeps its own first `keep` tokens, no others, as sinks.
+        self.sink_size = scheme.sink if max_size is None else keep
+        self.offset = 0
+        self.sink: list[mx.array | None] = [None, None]
+        self.recent: list[mx.array | None] = [None, None]
+        self.bulk = [
+            TokenStore(scheme.key_bits, scheme.group_size, scheme.rotate_keys),
+            TokenStore(scheme.value_bits, scheme.group_size),
+        ]
+
+    # -- the interface mlx-lm's models call ------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.max_size is not None:
+            self._slide(self.max_size - 1)
+        self._append([keys, values])
+        self.offset += keys.shape[2]
+        return self._fetch(keys.dtype, 0), self._fetch(values.dtype, 1)
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if self.max_size is None:
+            return create_attention_mask(N, self.offset, return_array, window_size)
+        window_size = window_size or self.max_size
+        offset = min(self.max_size - 1, self.offset)  # stored tokens before these N
+        if N == 1 and window_size >= self.max_size:
+            return None
+        if N > 1 and offset + N <= window_size and not return_array:
+            return "causal"
+        return create_causal_mask(N, offset, window_size=window_size)
+
+    def size(self) -> int:
+        return self.stored()
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return self.max_size is None or self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        n = min(n, self.stored())
+        left = n
+        for part in (0, 1):
+            left = n
+            recent = self.recent[part]
+            r = min(left, recent.shape[2] if recent is not None else 0)
+            if r:
+                self.recent[part] = recent[..., : recent.shape[2] - r, :]
+            left -= r
+            b = min(left, len(self.bulk[part]))
+            self.bulk[part].trim(b)
+            left -= b
+            if left:
+                sink = self.sink[part]
+                self.sink[part] = sink[..., : sink.shape[2] - left, :]
+        self.offset -= n
+        return n
+
+    def set_window(self, window: int) -> None:
+        """Keep the last `window` tokens in float16 from now on (a restored cache
+        comes back without its window)."""
+        self.scheme = replace(self.scheme, window=window)
+
+    @property
+    def nbytes(self) -> int:
+        total = sum(store.nbytes for store in self.bulk)
+        return total + sum(a.nbytes for a in (*self.sink, *self.recent) if a is not None)
+
+    @property
+    def state(self) -> tuple:
+        """Everything held, exactly: (bulk keys, bulk values, sink k, sink v,
+        recent k, recent v, offset, format, window, max_size, keep)."""
+        bulk = [tuple(s.encoded()) if s.buffers else None for s in self.bulk]
+        return (
+            *bulk,
+            *self.sink,
+            *self.recent,
+            self.offset,
+            self.scheme.format,
+            self.scheme.window,
+            self.max_size,
+            self.keep,
+        )
+
+    @state.setter
+    def state(self, state: tuple) -> None:
+        bulk_k, bulk_v, sink_k, sink_v, recent_k, recent_v, offset, fmt, window, max_size, keep = (
+            state
+        )
+        self._setup(replace(parse_format(fmt), window=int(window)), max_size, int(keep))
+        for part, bulk in enumerate((bulk_k, bulk_v)):
+            if bulk is not None:
+                self.bulk[part].append_encoded(list(bulk) if isinstance(bulk, tuple) else [bulk])
+        self.sink, self.recent = [sink_k, sink_v], [recent_k, recent_v]
+        self.offset = int(offset)
+        if self.stored() > self.offset or len({self._part_count(p) for p in (0, 1)}) != 1:
+            raise ValueError("inconsistent token counts")
+
+    # -- storage -----------------------------------------------------------------
+
+    def stored(self) -> int:
+        return self._part_count(0)
+
+    def _part_count(self, part: int) -> int:
+        sink, recent = self.sink[part], self.recent[part]
+        return (
+            (sink.shape[2] if sink is not None else 0)
+            + len(self.bulk[part])
+            + (recent.shape[2] if recent is not None else 0)
+        )
+
+    def _append(self, arrays: list[mx.array]) -> None:
+        for part, x in enumerate(arrays):
+            sink = self.sink[part]
+            have = sink.shape[2] if sink is not None else 0
+            take = max(0, min(self.sink_size - have, x.shape[2]))
+            if take:
+                self.sink[part] = _cat([sink, x[..., :take, :].astype(_STORE)])
+                x = x[..., take:, :]
+            if not x.shape[2]:
+                continue
+            if not self.scheme.window:
+                self.bulk[part].append(x)
+                continue
+            recent = _cat([self.recent[part], x.astype(_STORE)])
+            spill = recent.shape[2] - self.scheme.window
+            if spill >= _FLUSH_BLOCK:
+                self.bulk[part].append(recent[..., :spill, :])
+                recent = mx.contiguous(recent[..., spill:, :])
+            self.recent[part] = recent
+
+    def _fetch(self, dtype: mx.Dtype, part: int) -> mx.array:
+        bulk = self.bulk[part].read(dtype) if len(self.bulk[part]) else None
+        sink, recent = self.sink[part], self.recent[part]
+        return _cat(
+            [
+                sink.astype(dtype) if sink is not None else None,
+                bulk,
+                recent.astype(dtype) if recent is not None else None,
+            ]
+        )
+
+    def _slide(self, limit: int) -> None:
+        """Drop the oldest tokens after the sink until at most `limit` remain."""
+        excess = self.stored() - limit
+        if excess <= 0:
+            return
+        for part in (0, 1):
+            b = min(excess, len(self.bulk[part]))
+            self.bulk[part].drop_front(b)
+            if excess - b:
+                self.recent[part] = self.recent[part][..., excess - b :, :]
+
+    def quantized_tokens(self, start: int, end: int) -> dict[str, mx.array]:
+        """Tokens [start, end) of what is stored, every one in the quantized (bulk)
+        form: what cache files hold. Bulk tokens are encoded once and never change,
+        so a saved chunk is the same whenever it is written."""
+        named = {}
+        n_sink = self.sink[0].shape[2] if self.sink[0] is not None else 0
+        n_bulk = len(self.bulk[0])
+        for part, prefix in enumerate("kv"):
+            store = self.bulk[part]
+            pieces = []
+            if start < n_sink:
+                pieces.append(store.encode(self.sink[part][..., start : min(end, n_sink), :]))
+            lo, hi = max(start, n_sink) - n_sink, min(end, n_sink + n_bulk) - n_sink
+            if hi > lo:
+                pieces.append(store.encoded(lo, hi))
+            lo, hi = max(start, n_sink + n_bulk), end
+            if hi > lo:
+                recent = self.recent[part][..., lo - n_sink - n_bulk : hi - n_sink - n_bulk, :]
+                pieces.append(store.encode(recent))
+            for n, arrays in enumerate(zip(*pieces, strict=True)):
+                named[f"{prefix}.{n}"] = _cat(list(arrays))
+            if start == 0 and n_sink:
+                named[f"s{prefix}"] = self.sink[part]
+        return named
+
+    @classmethod
+    def from_quantized(cls, scheme: KVScheme, named: dict[str, mx.array]) -> MixedKVCache:
+        """Rebuild from `quantized_tokens` of a whole cache (the sink from its float16 copy)."""
+        layer = cls(replace(scheme, window=0))
+        for part, prefix in enumerate("kv"):
+            encoded = [
+                named[f"{prefix}.{n}"] for n in range(1 if _bits(scheme, part) is None else 3)
+            ]
+            n_sink = named[f"s{prefix}"].shape[2] if f"s{prefix}" in named else 0
+            layer.sink[part] = named[f"s{prefix}"] if n_sink else None
+            layer.bulk[part].append_encoded([e[..., n_sink:, :] for e in encoded])
+        layer.offset = layer.stored()
+        return layer
+
+
+def _bits(scheme: KVScheme, part: int) -> int | None:
+    return scheme.key_bits if part == 0 else scheme.value_bits
+
+
+def to_mixed(layer: KVCache | RotatingKVCache, scheme: KVScheme) -> MixedKVCache:
+    """A full-precision layer's tokens re-stored per `scheme` (lossless up to the scheme)."""
+    if isinstance(layer, RotatingKVCache):
+        mixed = MixedKVCache(scheme, layer.max_size, layer.keep)
+        stored = min(layer.offset, layer.keys.shape[2]) if layer.keys is not None else 0
+        if layer.keys is not None and layer.offset > layer.keys.shape[2]:
+            keys = layer._temporal_order(layer.keys)
+            values = layer._temporal_order(layer.values)
+        elif layer.keys is not None:
+            keys, values = layer.keys[..., :stored, :], layer.values[..., :stored, :]
+    else:
+        mixed = MixedKVCache(scheme)
+        stored = layer.offset
+        if layer.keys is not None:
+            keys, values = layer.keys[..., :stored, :], layer.values[..., :stored, :]
+    if stored:
+        mixed._append([keys, values])
+    mixed.offset = layer.offset
+    return mixed
+
+
+def quantizer(scheme: KVScheme | None, start: int = 0) -> Callable[[list], None]:
+    """Converts a cache's full-precision layers in place once `start` tokens are in it."""
+    if scheme is None:
+        return lambda cache: None
+
+    def quantize(cache: list) -> None:
+        for i, layer in enumerate(cache):
+            if type(layer) in (KVCache, RotatingKVCache) and layer.offset >= start:
+                cache[i] = to_mixed(layer, scheme)
+
+    return quantize

@@ -1,0 +1,186 @@
+"""The app's quantized KV caches (app/engine/kvquant.py) on tiny random models."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from app.engine.kvquant import (
+    APP_SCHEMES,
+    SIXTEEN_BIT,
+    KVScheme,
+    MixedKVCache,
+    parse_format,
+    quantizer,
+    scheme_for,
+)
+
+TOKENS = np.random.default_rng(0).integers(3, 200, size=300).tolist()
+G32 = dict(group_size=32)  # the tiny model's heads are 32 wide
+SCHEMES = [
+    KVScheme(8, 8, **G32),
+    KVScheme(8, 4, **G32),
+    KVScheme(4, 4, **G32, sink=4, window=24),
+    KVScheme(4, 4, **G32, sink=4, window=24, rotate_keys=True),
+    KVScheme(3, 3, **G32, rotate_keys=True),
+]
+
+
+def feed(model, cache: list, tokens: list[int], steps=(64, 1)) -> mx.array:
+    """Log-probabilities after each token, fed in chunks of `steps[0]` then one at a time."""
+    out = []
+    half = len(tokens) // 2
+    for size, part in ((steps[0], tokens[:half]), (steps[1], tokens[half:])):
+        for start in range(0, len(part), size):
+            logits = model(mx.array(part[start : start + size])[None], cache=cache)[0]
+            out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    return mx.concatenate(out, axis=0)
+
+
+def kl(reference: mx.array, other: mx.array) -> float:
+    return mx.mean(mx.sum(mx.exp(reference) * (reference - other), axis=-1)).item()
+
+
+def cache_of(model, scheme: KVScheme | None) -> list:
+    cache = make_prompt_cache(model)
+    quantizer(scheme)(cache)
+    return cache
+
+
+def test_sixteen_bit_storage_matches_the_full_precision_cache(tiny_model):
+    model = tiny_model.model
+    full = feed(model, make_prompt_cache(model), TOKENS)
+    sixteen = feed(model, cache_of(model, SIXTEEN_BIT), TOKENS)
+    assert kl(full, sixteen) < 1e-4  # float16 rounding only
+    assert (mx.argmax(full, -1) == mx.argmax(sixteen, -1)).mean().item() > 0.98
+
+
+def keys_with_an_outlier_channel(tokens: int, seed: int = 1) -> mx.array:
+    """Keys shaped like a real model's: one channel far larger than the rest."""
+    x = mx.random.normal((1, 2, tokens, 32), key=mx.random.key(seed))
+    return x * mx.where(mx.arange(32) == 5, 20.0, 1.0)
+
+
+def relative_error(got: mx.array, want: mx.array) -> float:
+    return (mx.sqrt(mx.mean((got - want) ** 2)) / mx.sqrt(mx.mean(want**2))).item()
+
+
+@pytest.mark.parametrize(
+    ("scheme", "key_error"),
+    [
+        (SCHEMES[0], 0.01),
+        (SCHEMES[1], 0.01),
+        (SCHEMES[2], 0.12),
+        (SCHEMES[3], 0.07),
+        (SCHEMES[4], 0.15),
+    ],
+    ids=lambda v: v.format if isinstance(v, KVScheme) else "",
+)
+def test_a_layer_reads_back_what_was_stored_within_its_bits(scheme, key_error):
+    keys = keys_with_an_outlier_channel(300)
+    values = mx.random.normal(keys.shape, key=mx.random.key(2))
+    layer = MixedKVCache(scheme)
+    # two prefill chunks, then one token at a time
+    for start, stop in [(0, 100), (100, 200), *((t, t + 1) for t in range(200, 300))]:
+        got_keys, got_values = layer.update_and_fetch(
+            keys[..., start:stop, :], values[..., start:stop, :]
+        )
+    sixteen = keys.astype(mx.float16).astype(mx.float32)
+    assert got_keys.shape == keys.shape and got_keys.dtype == keys.dtype
+    assert relative_error(got_keys, sixteen) < key_error
+    value_error = {8: 0.01, 4: 0.1, 3: 0.2}[scheme.value_bits]
+    assert relative_error(got_values, values) < value_error
+    # The sink and the recent window come back exactly (in float16).
+    exact = [*range(scheme.sink), *range(300 - scheme.window, 300)] if scheme.window else []
+    if exact:
+        assert mx.array_equal(got_keys[..., exact, :], sixteen[..., exact, :])
+    full = 300 * 2 * 32 * 2 * 2  # float16 keys and values
+    quantized = (300 - scheme.sink - scheme.window) * 2 * 32 * scheme.bits_per_value() / 8 * 2
+    window = (scheme.sink + scheme.window + 32) * 2 * 32 * 2 * 2  # up to a flush block more
+    assert quantized <= layer.nbytes <= quantized + window + 256 * 2 * 32 * 2  # + buffer slack
+    assert layer.nbytes < full
+
+
+def test_hadamard_rotation_spreads_an_outlier_channel():
+    keys = keys_with_an_outlier_channel(256)
+    plain, rotated = (
+        MixedKVCache(KVScheme(4, 4, **G32)),
+        MixedKVCache(KVScheme(4, 4, **G32, rotate_keys=True)),
+    )
+    error_plain = relative_error(plain.update_and_fetch(keys, keys)[0], keys)
+    error_rotated = relative_error(rotated.update_and_fetch(keys, keys)[0], keys)
+    assert error_rotated < error_plain * 0.6
+
+
+def test_eight_bits_stay_close_to_sixteen_on_a_model(tiny_model):
+    model = tiny_model.model
+    reference = feed(model, cache_of(model, SIXTEEN_BIT), TOKENS)
+    assert kl(reference, feed(model, cache_of(model, scheme_for(8, 32)), TOKENS)) < 0.05
+
+
+def test_hadamard_rotation_and_the_sink_window_help_at_four_bits(tiny_model):
+    model = tiny_model.model
+    reference = feed(model, cache_of(model, SIXTEEN_BIT), TOKENS)
+    plain = kl(reference, feed(model, cache_of(model, KVScheme(4, 4, **G32)), TOKENS))
+    app = kl(reference, feed(model, cache_of(model, scheme_for(4, 32)), TOKENS))
+    assert app < plain / 2
+
+
+def test_trimming_gives_what_a_fresh_cache_gives(tiny_model):
+    model = tiny_model.model
+    scheme = KVScheme(4, 8, **G32, sink=4, rotate_keys=True)
+    trimmed = cache_of(model, scheme)
+    feed(model, trimmed, TOKENS[:200])
+    for layer in trimmed:
+        assert layer.trim(60) == 60
+    fresh = cache_of(model, scheme)
+    feed(model, fresh, TOKENS[:140])
+    assert trimmed[0].offset == fresh[0].offset == 140
+    after_trim = feed(model, trimmed, TOKENS[140:180], steps=(8, 1))
+    after_fresh = feed(model, fresh, TOKENS[140:180], steps=(8, 1))
+    assert mx.array_equal(after_trim, after_fresh)
+
+
+def test_a_sliding_window_layer_is_quantized_and_matches_its_rotating_cache(sliding_model):
+    model = sliding_model.model
+    rotating = make_prompt_cache(model)
+    assert isinstance(rotating[0], RotatingKVCache)
+    reference = feed(model, rotating, TOKENS, steps=(40, 1))
+    sixteen = cache_of(model, SIXTEEN_BIT)
+    assert isinstance(sixteen[0], MixedKVCache) and sixteen[0].max_size == rotating[0].max_size
+    assert kl(reference, feed(model, sixteen, TOKENS, steps=(40, 1))) < 1e-4
+    assert sixteen[0].stored() == rotating[0].max_size  # old tokens were dropped
+    quantized = cache_of(model, scheme_for(4, 32))
+    assert kl(reference, feed(model, quantized, TOKENS, steps=(40, 1))) < 0.05
+
+
+def test_a_full_precision_layer_converts_at_any_point(sliding_model):
+    """The preference applies to a conversation already under way: converting the
+    model's own layers keeps their tokens (in temporal order), quantized."""
+    model = sliding_model.model
+    scheme = KVScheme(8, 8, **G32)
+    cache = make_prompt_cache(model)
+    feed(model, cache, TOKENS[:100], steps=(30, 1))
+    rotating, full = cache
+    assert isinstance(rotating, RotatingKVCache) and isinstance(full, KVCache)
+    window_keys = rotating._temporal_order(rotating.keys)
+    full_keys = full.keys[..., : full.offset, :]
+    quantizer(scheme)(cache)
+    for layer, keys in zip(cache, (window_keys, full_keys), strict=True):
+        assert isinstance(layer, MixedKVCache) and layer.offset == 100
+        assert layer.stored() == keys.shape[2]
+        stored = layer.quantized_tokens(0, layer.stored())
+        want = mx.quantize(keys.astype(mx.float16), group_size=32, bits=8)
+        assert all(mx.array_equal(stored[f"k.{n}"], want[n]) for n in range(3))
+
+
+def test_formats_name_their_scheme():
+    for scheme in [*SCHEMES, *APP_SCHEMES.values()]:
+        assert parse_format(scheme.format).format == scheme.format
+    assert APP_SCHEMES["4-bit"].format == "k4v4g64s4h"
+    assert scheme_for(None) is None
+    assert scheme_for(4, 32).group_size == 32
+    with pytest.raises(ValueError):
+        parse_format("q4g64")
