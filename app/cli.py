@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     kv.add_argument("--modes", nargs="+", help="only these rows (and 16-bit)")
     kv.add_argument("--json", action="store_true")
+    from app.bench import kv_speed
+
+    kv_speed.add_arguments(
+        bench_commands.add_parser(
+            "kv-speed", help="decode speed per KV scheme at long contexts, random weights"
+        )
+    )
     return parser
 
 
@@ -186,6 +193,10 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench import reopen
 
         return reopen.main(args)
+    if args.bench_command == "kv-speed":
+        from app.bench import kv_speed
+
+        return kv_speed.main(args)
     if args.bench_command == "kv":
         from app.bench import kv_quality
 

@@ -1,0 +1,174 @@
+"""`reprise bench kv-speed`: decode speed of each KV scheme against 16-bit at long
+contexts, on a model of a known shape with random weights (nothing to download),
+on whatever device mlx runs on. This is the GPU check of issue 5: mlx's CUDA
+backend has no `quantized_matmul` kernel for the decode shapes that mlx-lm's
+quantized attention needs, while our schemes read the cache back dequantized.
+
+Imports only mlx, mlx-lm and the engine's kvquant, so it runs on a machine with
+nothing else installed: `python -m app.bench.kv_speed --json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from app.engine.kvquant import APP_SCHEMES, KVScheme, to_mixed
+
+SHAPES = {
+    # Qwen3-1.7B's config.json, less what does not change the arithmetic.
+    "qwen3-1.7b": {
+        "model_type": "qwen3",
+        "hidden_size": 2048,
+        "num_hidden_layers": 28,
+        "intermediate_size": 6144,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+    },
+    # Small enough for a CPU smoke run.
+    "tiny": {
+        "model_type": "qwen3",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+    },
+}
+PREFILL_STEP = 2048
+
+
+def random_model(shape: str, dtype: mx.Dtype = mx.bfloat16) -> nn.Module:
+    """The shape's architecture with random weights, 4-bit like a typical download."""
+    from mlx_lm.models import qwen3
+
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(SHAPES[shape]))
+    model.set_dtype(dtype)
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def modes(group_size: int) -> dict[str, Callable[[KVCache], object]]:
+    """Name -> how to turn a filled 16-bit layer into that mode's layer."""
+
+    def ours(scheme: KVScheme):
+        return lambda layer: to_mixed(layer, scheme)
+
+    result = {"16-bit": lambda layer: layer}
+    for bits in (8, 4):
+        result[f"mlx-lm {bits}-bit"] = lambda layer, b=bits: layer.to_quantized(group_size, b)
+    for label, scheme in APP_SCHEMES.items():
+        result[f"app {label} ({scheme.format})"] = ours(scheme)
+    result["k8v4"] = ours(KVScheme(8, 4, group_size))
+    return result
+
+
+def fill(model, tokens: int, vocab: int) -> list[KVCache]:
+    cache = make_prompt_cache(model)
+    ids = mx.random.randint(0, vocab, (tokens,), key=mx.random.key(0))
+    for start in range(0, tokens, PREFILL_STEP):
+        model(ids[start : start + PREFILL_STEP][None], cache=cache)
+        mx.eval([layer.state for layer in cache])
+    return cache
+
+
+def copy_layer(layer: KVCache) -> KVCache:
+    fresh = KVCache()
+    fresh.keys = mx.array(layer.keys[..., : layer.offset, :])
+    fresh.values = mx.array(layer.values[..., : layer.offset, :])
+    fresh.offset = layer.offset
+    return fresh
+
+
+def decode_tps(model, cache: list, steps: int, warmup: int = 4) -> float:
+    token = mx.array([[1]])
+    for i in range(warmup + steps):
+        if i == warmup:
+            started = time.perf_counter()
+        token = mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+        mx.eval(token)
+    return steps / (time.perf_counter() - started)
+
+
+def run(shape: str, lengths: list[int], steps: int, group_size: int = 64) -> dict:
+    model = random_model(shape)
+    vocab = SHAPES[shape]["vocab_size"]
+    results = []
+    for length in lengths:
+        filled = fill(model, length, vocab)
+        for name, convert in modes(group_size).items():
+            row = {"mode": name, "context": length}
+            try:
+                cache = [convert(copy_layer(layer)) for layer in filled]
+                mx.eval([layer.state for layer in cache])
+                row["kv_bytes"] = sum(layer.nbytes for layer in cache)  # before decode adds slack
+                mx.clear_cache()
+                mx.reset_peak_memory()
+                row["decode_tps"] = decode_tps(model, cache, steps)
+                row["peak_bytes"] = mx.get_peak_memory()
+            except (RuntimeError, ValueError) as exc:
+                row["error"] = str(exc).splitlines()[0][:160]
+            results.append(row)
+            cache = None
+        filled = None
+    for row in results:
+        base = next(r for r in results if r["context"] == row["context"] and r["mode"] == "16-bit")
+        if "decode_tps" in row:
+            row["speed_vs_16bit"] = row["decode_tps"] / base["decode_tps"]
+            row["kv_share"] = row["kv_bytes"] / base["kv_bytes"]
+    return {"shape": shape, "device": str(mx.default_device()), "rows": results}
+
+
+def format_table(result: dict) -> str:
+    lines = [
+        f"{result['shape']} (random 4-bit weights, bfloat16) on {result['device']}",
+        f"{'mode':36}{'context':>8}{'decode/s':>10}{'vs 16-bit':>10}{'KV bytes':>10}{'peak GB':>9}",
+    ]
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"{row['mode']:36}{row['context']:8}  fails: {row['error']}")
+            continue
+        lines.append(
+            f"{row['mode']:36}{row['context']:8}{row['decode_tps']:10.1f}"
+            f"{row['speed_vs_16bit']:10.2f}{row['kv_share'] * 100:9.1f}%"
+            f"{row['peak_bytes'] / 1e9:9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--steps", type=int, default=64, help="decode steps timed per mode")
+    parser.add_argument("--json", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args.shape, args.tokens, args.steps)
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))
