@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     kv.add_argument("--modes", nargs="+", help="only these rows (and 16-bit)")
     kv.add_argument("--json", action="store_true")
+    kv.add_argument("--save", type=Path, help="also write the JSON here (resources/kv-bench.json)")
     from app.bench import kv_speed
 
     kv_speed.add_arguments(

@@ -98,6 +98,7 @@ def main() -> None:
         prefs = PreferencesDialog(window.settings, window.index.usage()[1], window)
         prefs.show()
         prefs.findChildren(QTabWidget)[0].setCurrentIndex(1)  # Memory
+        prefs.kv_bits.setCurrentIndex(2)  # 4-bit, with its measured trade-off
         QTimer.singleShot(400, lambda: (shot("preferences.png", prefs), prefs.close(), models()))
 
     def models():

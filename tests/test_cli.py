@@ -147,3 +147,33 @@ def test_the_gui_explains_when_there_is_no_display():
     )
     assert done.returncode == 1
     assert "no display found" in done.stderr and "reprise chat" in done.stderr
+
+
+def test_bench_kv_prints_one_row_per_mode_side_by_side(tiny_model_dir, tmp_path):
+    """The command behind the README's KV table, shortened to run on the tiny model."""
+    saved = tmp_path / "kv.json"
+    done = reprise(
+        "bench", "kv", "--model", str(tiny_model_dir), "--tokens", "120", "--continuation",
+        "12", "--group-size", "32", "--modes", "mlx-lm 4-bit", "k4v4 hadamard sink+window",
+        "--json", "--save", str(saved),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert json.loads(saved.read_text()) == result
+    rows = result["rows"]
+    assert [r["mode"] for r in rows] == ["16-bit", "mlx-lm 4-bit", "k4v4 hadamard sink+window"]
+    keys = {"ppl", "kl", "kv_bytes", "peak_bytes", "repeat_4gram", "prefill_tps", "decode_tps"}
+    for row in rows:
+        assert keys <= set(row) and row["ppl"] > 1 and row["kv_bytes"] > 0
+    assert rows[0]["kl"] == 0 and all(r["kl"] > 0 for r in rows[1:])
+    assert all(r["kv_bytes"] < rows[0]["kv_bytes"] for r in rows[1:])
+    assert result["app_modes"] == {"4-bit": "k4v4 hadamard sink+window"}
+
+
+def test_bench_kv_speed_runs_each_scheme_on_a_random_model():
+    done = reprise("bench", "kv-speed", "--shape", "tiny", "--tokens", "300", "--steps", "4")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for mode in ("16-bit", "app 8-bit (k8v8g64s4)", "app 4-bit (k4v4g64s4h)"):
+        row = next(line for line in lines if line.startswith(mode))
+        assert float(row.split()[-4]) > 0  # decode tokens/s

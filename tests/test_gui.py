@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import pytest
@@ -10,7 +11,7 @@ from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QInputDialog
 
 from app.ui.main_window import MainWindow
-from app.ui.preferences import PreferencesDialog
+from app.ui.preferences import KV_FIGURES, PreferencesDialog, kv_tradeoffs
 from sessions import paths
 from sessions.settings import Settings
 
@@ -158,6 +159,29 @@ def test_preferences_persist(qtbot, library):
     assert reopened.kv_bits.currentText() == "8-bit"
     reopened.kv_bits.setCurrentIndex(2)
     assert "cannot be used" in reopened.kv_warning.text()
+
+
+def test_the_kv_choices_show_the_measured_trade_offs(qtbot, library):
+    """The lines come from the benchmark's figures shipped with the app."""
+    from sessions.db import open_db
+
+    figures = json.loads(KV_FIGURES.read_text())
+    four = next(r for r in figures["rows"] if r["mode"] == figures["app_modes"]["4-bit"])
+    sixteen = next(r for r in figures["rows"] if r["mode"] == "16-bit")
+    dialog = PreferencesDialog(Settings(open_db()), 0)
+    qtbot.addWidget(dialog)
+    dialog.kv_bits.setCurrentIndex(2)
+    line = dialog.kv_explanation.text()
+    assert line.startswith(f"{four['kv_bytes'] / sixteen['kv_bytes']:.0%} of the 16-bit memory")
+    assert f"perplexity {(four['ppl'] / sixteen['ppl'] - 1) * 100:+.1f}%" in line
+    dialog.kv_bits.setCurrentIndex(0)
+    assert "Full precision" in dialog.kv_explanation.text()
+
+
+def test_without_figures_the_kv_lines_still_say_something(tmp_path):
+    (tmp_path / "broken.json").write_text("{not json")
+    lines = kv_tradeoffs(tmp_path / "broken.json")
+    assert set(lines) == {None, 8, 4} and all(lines.values())
 
 
 def test_the_event_loop_stays_responsive_during_a_reply(qtbot, open_window, capsys):

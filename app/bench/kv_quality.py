@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -67,7 +68,6 @@ def default_modes(group_size: int = 64) -> list[Mode]:
         Mode("k8v8 sink+window", KVScheme(8, 8, g, sink=4, window=64)),
         Mode("k8v4", KVScheme(8, 4, g)),
         Mode("k4v4 sink+window", KVScheme(4, 4, g, sink=4, window=64)),
-        Mode("k4v4 hadamard", KVScheme(4, 4, g, rotate_keys=True)),
         Mode("k4v4 hadamard sink+window", KVScheme(4, 4, g, sink=4, window=64, rotate_keys=True)),
         Mode("k3v3 hadamard sink+window", KVScheme(3, 3, g, sink=4, window=64, rotate_keys=True)),
     ]
@@ -156,7 +156,8 @@ def run(model, tokens: list[int], modes: list[Mode], continuation_tokens: int) -
     # Warm up kernels and memory so the first row is not charged for it.
     measure(model, Mode("warm-up", SIXTEEN_BIT), context[:64], continuation[:8], None)
     rows, reference = [], None
-    for mode in modes:
+    for n, mode in enumerate(modes, 1):
+        print(f"[{n}/{len(modes)}] {mode.name}", file=sys.stderr, flush=True)
         row, log_probs = measure(model, mode, context, continuation, reference)
         reference = reference or log_probs
         rows.append(row)
@@ -192,7 +193,16 @@ def main(args: argparse.Namespace) -> int:
     if args.modes:
         modes = [m for m in modes if m.name == "16-bit" or m.name in args.modes]
     rows = run(loaded.model, tokens[: args.tokens], modes, args.continuation)
-    result = {"rows": as_dicts(rows), "app_modes": app_modes(rows)}
+    result = {
+        "rows": as_dicts(rows),
+        "app_modes": app_modes(rows),
+        "model": loaded.path.name,
+        "compute": loaded.compute.describe(),
+        "tokens": args.tokens,
+        "continuation": args.continuation,
+    }
+    if args.save:
+        args.save.write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

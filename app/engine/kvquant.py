@@ -32,10 +32,17 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, create_attention_mask
 
-_STORE = mx.float16  # full-precision parts are kept in 16 bits, whatever the model computes in
-# Tokens past the window gather in the float16 tail until this many can be
-# quantized at once (one step of work instead of one per generated token).
-_FLUSH_BLOCK = 32
+_SIXTEEN = (mx.float16, mx.bfloat16)
+
+
+def _sixteen(x: mx.array) -> mx.array:
+    """Full-precision parts are kept in 16 bits: the model's own 16-bit type, or
+    float16 where it computes in float32 (the CPU path)."""
+    return x if x.dtype in _SIXTEEN else x.astype(mx.float16)
+
+
+def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 @dataclass(frozen=True)
@@ -144,9 +151,9 @@ class TokenStore:
         return self.hi - self.lo
 
     def encode(self, x: mx.array) -> list[mx.array]:
-        x = x.astype(_STORE)
-        if self.rotate:
+        if self.rotate:  # before the cast: float16 arithmetic is emulated on the CPU
             x = mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
+        x = _sixteen(x)
         if self.bits is None:
             return [x]
         return list(mx.quantize(x, group_size=self.group_size, bits=self.bits))
@@ -161,7 +168,7 @@ class TokenStore:
                 # took 6x as long as with the (small) scales upcast first.
                 scales, biases = scales.astype(dtype), biases.astype(dtype)
             x = mx.dequantize(weights, scales, biases, group_size=self.group_size, bits=self.bits)
-        x = x.astype(dtype)
+        x = _as(x, dtype)
         if self.rotate:  # the normalized transform is its own inverse
             x = mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
         return x
@@ -197,8 +204,17 @@ class TokenStore:
     def read(self, dtype: mx.Dtype, start: int = 0, end: int | None = None) -> mx.array:
         return self.decode(self.encoded(start, end), dtype)
 
-    def drop_front(self, n: int) -> None:
-        self.lo += min(n, len(self))
+    def drop(self, n: int, after: int = 0) -> None:
+        """Drop `n` tokens, keeping the first `after` (a sliding window's kept tokens)."""
+        n = min(n, len(self) - after)
+        if n <= 0:
+            return
+        if after:  # rare (mlx-lm's `keep`): move the kept tokens up by a copy
+            for buffer in self.buffers:
+                buffer[..., self.lo + n : self.lo + n + after, :] = mx.array(
+                    buffer[..., self.lo : self.lo + after, :]
+                )
+        self.lo += n
 
     def trim(self, n: int) -> None:
         self.hi -= min(n, len(self))
@@ -208,16 +224,12 @@ class TokenStore:
         return sum(b.nbytes for b in self.buffers)
 
 
-def _cat(arrays: list[mx.array | None]) -> mx.array | None:
-    arrays = [a for a in arrays if a is not None and a.shape[2]]
-    if not arrays:
-        return None
-    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=2)
-
-
 class MixedKVCache:
-    """A layer's KV cache stored per `KVScheme`: float16 sink, quantized bulk,
-    float16 recent window. Drop-in for mlx-lm's KVCache / RotatingKVCache."""
+    """A layer's KV cache stored per `KVScheme`, a drop-in for mlx-lm's KVCache and
+    RotatingKVCache (`max_size`). Every token is held quantized (the bulk); float16
+    copies of the first `sink` and the last `window` tokens are written over their
+    rows when attention reads the cache, so the copies cost a few tokens of memory
+    and no concatenation."""
 
     def __init__(self, scheme: KVScheme, max_size: int | None = None, keep: int = 0) -> None:
         self._setup(scheme, max_size, keep)
@@ -228,21 +240,23 @@ class MixedKVCache:
         # A sliding window keeps its own first `keep` tokens, no others, as sinks.
         self.sink_size = scheme.sink if max_size is None else keep
         self.offset = 0
-        self.sink: list[mx.array | None] = [None, None]
-        self.recent: list[mx.array | None] = [None, None]
         self.bulk = [
             TokenStore(scheme.key_bits, scheme.group_size, scheme.rotate_keys),
             TokenStore(scheme.value_bits, scheme.group_size),
         ]
+        self.sink: list[mx.array | None] = [None, None]
+        self.recent: list[mx.array | None] = [None, None]
 
     # -- the interface mlx-lm's models call ------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.max_size is not None:
-            self._slide(self.max_size - 1)
-        self._append([keys, values])
+            excess = self.stored() - (self.max_size - 1)
+            for store in self.bulk:
+                store.drop(excess, after=self.sink_size)
+        self.extend(keys, values)
         self.offset += keys.shape[2]
-        return self._fetch(keys.dtype, 0), self._fetch(values.dtype, 1)
+        return self._fetch(0, keys.dtype), self._fetch(1, values.dtype)
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         if self.max_size is None:
@@ -266,20 +280,15 @@ class MixedKVCache:
 
     def trim(self, n: int) -> int:
         n = min(n, self.stored())
-        left = n
         for part in (0, 1):
-            left = n
+            self.bulk[part].trim(n)
             recent = self.recent[part]
-            r = min(left, recent.shape[2] if recent is not None else 0)
-            if r:
-                self.recent[part] = recent[..., : recent.shape[2] - r, :]
-            left -= r
-            b = min(left, len(self.bulk[part]))
-            self.bulk[part].trim(b)
-            left -= b
-            if left:
-                sink = self.sink[part]
-                self.sink[part] = sink[..., : sink.shape[2] - left, :]
+            if recent is not None:
+                kept = recent.shape[2] - n
+                self.recent[part] = recent[..., :kept, :] if kept > 0 else None
+            sink = self.sink[part]
+            if sink is not None and sink.shape[2] > self.stored():
+                self.sink[part] = sink[..., : self.stored(), :] if self.stored() else None
         self.offset -= n
         return n
 
@@ -320,100 +329,70 @@ class MixedKVCache:
                 self.bulk[part].append_encoded(list(bulk) if isinstance(bulk, tuple) else [bulk])
         self.sink, self.recent = [sink_k, sink_v], [recent_k, recent_v]
         self.offset = int(offset)
-        if self.stored() > self.offset or len({self._part_count(p) for p in (0, 1)}) != 1:
+        copies = [a.shape[2] for a in (sink_k, sink_v, recent_k, recent_v) if a is not None]
+        if (
+            len(self.bulk[0]) != len(self.bulk[1])
+            or self.stored() > self.offset
+            or any(n > self.stored() for n in copies)
+        ):
             raise ValueError("inconsistent token counts")
 
     # -- storage -----------------------------------------------------------------
 
     def stored(self) -> int:
-        return self._part_count(0)
+        return len(self.bulk[0])
 
-    def _part_count(self, part: int) -> int:
-        sink, recent = self.sink[part], self.recent[part]
-        return (
-            (sink.shape[2] if sink is not None else 0)
-            + len(self.bulk[part])
-            + (recent.shape[2] if recent is not None else 0)
-        )
-
-    def _append(self, arrays: list[mx.array]) -> None:
-        for part, x in enumerate(arrays):
+    def extend(self, keys: mx.array, values: mx.array) -> None:
+        """Store tokens (without counting them in `offset`)."""
+        for part, x in enumerate((keys, values)):
+            self.bulk[part].append(x)
             sink = self.sink[part]
             have = sink.shape[2] if sink is not None else 0
-            take = max(0, min(self.sink_size - have, x.shape[2]))
-            if take:
-                self.sink[part] = _cat([sink, x[..., :take, :].astype(_STORE)])
-                x = x[..., take:, :]
-            if not x.shape[2]:
-                continue
-            if not self.scheme.window:
-                self.bulk[part].append(x)
-                continue
-            recent = _cat([self.recent[part], x.astype(_STORE)])
-            spill = recent.shape[2] - self.scheme.window
-            if spill >= _FLUSH_BLOCK:
-                self.bulk[part].append(recent[..., :spill, :])
-                recent = mx.contiguous(recent[..., spill:, :])
-            self.recent[part] = recent
+            if have < self.sink_size:  # only while the first tokens arrive
+                first = _sixteen(x[..., : self.sink_size - have, :])
+                self.sink[part] = first if sink is None else mx.concatenate([sink, first], axis=2)
+            window = min(
+                self.scheme.window, len(self.bulk[part])
+            )  # a sliding window may be smaller
+            if window:
+                tail = _sixteen(x[..., -window:, :])
+                recent = self.recent[part]
+                if recent is not None and tail.shape[2] < window:
+                    older = recent[..., -(window - tail.shape[2]) :, :]
+                    tail = mx.concatenate([older, tail], axis=2)
+                self.recent[part] = tail
 
-    def _fetch(self, dtype: mx.Dtype, part: int) -> mx.array:
-        bulk = self.bulk[part].read(dtype) if len(self.bulk[part]) else None
-        sink, recent = self.sink[part], self.recent[part]
-        return _cat(
-            [
-                sink.astype(dtype) if sink is not None else None,
-                bulk,
-                recent.astype(dtype) if recent is not None else None,
-            ]
-        )
-
-    def _slide(self, limit: int) -> None:
-        """Drop the oldest tokens after the sink until at most `limit` remain."""
-        excess = self.stored() - limit
-        if excess <= 0:
-            return
-        for part in (0, 1):
-            b = min(excess, len(self.bulk[part]))
-            self.bulk[part].drop_front(b)
-            if excess - b:
-                self.recent[part] = self.recent[part][..., excess - b :, :]
+    def _fetch(self, part: int, dtype: mx.Dtype) -> mx.array:
+        x = self.bulk[part].read(dtype)
+        n = x.shape[2]
+        recent, sink = self.recent[part], self.sink[part]
+        if recent is not None:
+            r = min(recent.shape[2], n)
+            x[..., n - r :, :] = _as(recent[..., recent.shape[2] - r :, :], dtype)
+        if sink is not None:
+            x[..., : sink.shape[2], :] = _as(sink, dtype)
+        return x
 
     def quantized_tokens(self, start: int, end: int) -> dict[str, mx.array]:
-        """Tokens [start, end) of what is stored, every one in the quantized (bulk)
-        form: what cache files hold. Bulk tokens are encoded once and never change,
-        so a saved chunk is the same whenever it is written."""
+        """Tokens [start, end) of what is stored, as cache files hold them: every one
+        quantized, plus the float16 sink in the first chunk. A token is quantized once,
+        on arrival, so a saved chunk is the same whenever it is written."""
         named = {}
-        n_sink = self.sink[0].shape[2] if self.sink[0] is not None else 0
-        n_bulk = len(self.bulk[0])
         for part, prefix in enumerate("kv"):
-            store = self.bulk[part]
-            pieces = []
-            if start < n_sink:
-                pieces.append(store.encode(self.sink[part][..., start : min(end, n_sink), :]))
-            lo, hi = max(start, n_sink) - n_sink, min(end, n_sink + n_bulk) - n_sink
-            if hi > lo:
-                pieces.append(store.encoded(lo, hi))
-            lo, hi = max(start, n_sink + n_bulk), end
-            if hi > lo:
-                recent = self.recent[part][..., lo - n_sink - n_bulk : hi - n_sink - n_bulk, :]
-                pieces.append(store.encode(recent))
-            for n, arrays in enumerate(zip(*pieces, strict=True)):
-                named[f"{prefix}.{n}"] = _cat(list(arrays))
-            if start == 0 and n_sink:
+            for n, array in enumerate(self.bulk[part].encoded(start, end)):
+                named[f"{prefix}.{n}"] = array
+            if start == 0 and self.sink[part] is not None:
                 named[f"s{prefix}"] = self.sink[part]
         return named
 
     @classmethod
     def from_quantized(cls, scheme: KVScheme, named: dict[str, mx.array]) -> MixedKVCache:
-        """Rebuild from `quantized_tokens` of a whole cache (the sink from its float16 copy)."""
+        """Rebuild from `quantized_tokens` of a whole cache."""
         layer = cls(replace(scheme, window=0))
         for part, prefix in enumerate("kv"):
-            encoded = [
-                named[f"{prefix}.{n}"] for n in range(1 if _bits(scheme, part) is None else 3)
-            ]
-            n_sink = named[f"s{prefix}"].shape[2] if f"s{prefix}" in named else 0
-            layer.sink[part] = named[f"s{prefix}"] if n_sink else None
-            layer.bulk[part].append_encoded([e[..., n_sink:, :] for e in encoded])
+            count = 1 if _bits(scheme, part) is None else 3
+            layer.bulk[part].append_encoded([named[f"{prefix}.{n}"] for n in range(count)])
+            layer.sink[part] = named.get(f"s{prefix}")
         layer.offset = layer.stored()
         return layer
 
@@ -438,7 +417,7 @@ def to_mixed(layer: KVCache | RotatingKVCache, scheme: KVScheme) -> MixedKVCache
         if layer.keys is not None:
             keys, values = layer.keys[..., :stored, :], layer.values[..., :stored, :]
     if stored:
-        mixed._append([keys, values])
+        mixed.extend(keys, values)
     mixed.offset = layer.offset
     return mixed
 

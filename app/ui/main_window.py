@@ -331,10 +331,12 @@ class MainWindow(QMainWindow):
         if self.conversation_id is not None:
             self.chat.show_messages(self._rendered(self.conversation_id))
         context = stats["prompt_tokens"] + stats["generated_tokens"]
+        kv_format = stats["kv_format"]  # "4-bit (group 64, ...)": the detail goes in a tooltip
         self.stats_text.setText(
             f"{stats['decode_tps']:.1f} tok/s · context {context:,} tokens · "
-            f"KV {stats['kv_bytes'] / 1e6:.1f} MB ({stats['kv_format']})"
+            f"KV {stats['kv_bytes'] / 1e6:.1f} MB ({kv_format.split(' (')[0]})"
         )
+        self.stats_text.setToolTip(f"KV cache: {kv_format}")
         if stats["finish_reason"] == "cancelled":
             self.status_text.setText("Stopped")
         self.refresh_sidebar()

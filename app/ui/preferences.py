@@ -5,6 +5,9 @@ Values live in SQLite (sessions.settings); changes apply to the next turn.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from PySide6.QtCore import QUrl, Signal
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (
@@ -26,11 +29,36 @@ from PySide6.QtWidgets import (
 from sessions import paths
 from sessions.settings import Settings
 
-KV_CHOICES = [
-    (None, "Off (16-bit)", "Full precision: the most memory, the reference quality."),
-    (8, "8-bit", "About half the memory of 16-bit; replies are practically unchanged."),
-    (4, "4-bit", "About a quarter of the memory; small models may repeat themselves."),
-]
+# `reprise bench kv --save resources/kv-bench.json`: the measured trade-offs shown here.
+KV_FIGURES = Path(__file__).resolve().parents[2] / "resources" / "kv-bench.json"
+KV_CHOICES = [(None, "Off (16-bit)"), (8, "8-bit"), (4, "4-bit")]
+
+
+def kv_tradeoffs(path: Path = KV_FIGURES) -> dict[int | None, str]:
+    """One honest line per KV choice, from the figures `reprise bench kv` measured."""
+    lines = {None: "Full precision: the most memory; the reference for the other two."}
+    try:
+        figures = json.loads(path.read_text())
+        rows = {row["mode"]: row for row in figures["rows"]}
+        base = rows["16-bit"]
+        lines[None] = (
+            f"Full precision: the most memory ({base['kv_bytes'] / 1e6:.0f} MB at "
+            f"{figures['tokens']:,} tokens on {figures['model']}); the reference quality."
+        )
+        for label, mode in figures["app_modes"].items():
+            row = rows[mode]
+            lines[int(label.split("-")[0])] = (
+                f"{row['kv_bytes'] / base['kv_bytes']:.0%} of the 16-bit memory; perplexity "
+                f"{(row['ppl'] / base['ppl'] - 1) * 100:+.1f}%, repeated 4-grams "
+                f"{row['repeat_4gram']:.0%} (16-bit {base['repeat_4gram']:.0%}), decoding "
+                f"{row['decode_tps'] / base['decode_tps']:.2f}x as fast (measured on "
+                f"{figures['model']}, {figures['tokens']:,} tokens)."
+            )
+    except (OSError, ValueError, KeyError, TypeError):
+        lines |= {8: "About half the memory of 16-bit.", 4: "About a third of the memory."}
+    return lines
+
+
 GIB = 2**30
 
 
@@ -78,7 +106,8 @@ class PreferencesDialog(QDialog):
         page = QWidget()
         form = QFormLayout(page)
         self.kv_bits = QComboBox()
-        for bits, label, _ in KV_CHOICES:
+        self.kv_lines = kv_tradeoffs()
+        for bits, label in KV_CHOICES:
             self.kv_bits.addItem(label, bits)
         self.kv_bits.setCurrentIndex([c[0] for c in KV_CHOICES].index(values["kv_bits"]))
         self.kv_explanation = QLabel()
@@ -132,7 +161,7 @@ class PreferencesDialog(QDialog):
         return page
 
     def _explain_kv(self) -> None:
-        self.kv_explanation.setText(KV_CHOICES[self.kv_bits.currentIndex()][2])
+        self.kv_explanation.setText(self.kv_lines.get(self.kv_bits.currentData(), ""))
         now = (self.kv_bits.currentData(), self.kv_group_size.currentData())
         changed = now != self._initial_kv and self._initial_kv[0] is not None
         self.kv_warning.setText(
