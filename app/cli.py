@@ -7,7 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+import app.engine  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 from app import __version__
+from app.bench import kv_speed
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
@@ -108,8 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--modes", nargs="+", help="only these rows (and 16-bit)")
     kv.add_argument("--json", action="store_true")
     kv.add_argument("--save", type=Path, help="also write the JSON here (resources/kv-bench.json)")
-    from app.bench import kv_speed
-
     kv_speed.add_arguments(
         bench_commands.add_parser(
             "kv-speed", help="decode speed per KV scheme at long contexts, random weights"

@@ -94,6 +94,8 @@ def test_chat_json_prints_reply_and_stats(tiny_model_dir):
         "compute",
     ):
         assert key in record
+    if sys.platform == "linux":  # the console script loads OpenBLAS before mlx (14x prefill)
+        assert record["compute"].endswith("BLAS: openblas"), record["compute"]
 
 
 def test_interactive_chat_reuses_the_cache_across_turns(tiny_model_dir):

@@ -7,15 +7,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from app.engine.kvquant import (
-    APP_SCHEMES,
-    SIXTEEN_BIT,
-    KVScheme,
-    MixedKVCache,
-    parse_format,
-    quantizer,
-    scheme_for,
-)
+from app.engine.kvquant import MixedKVCache, quantizer
+from app.engine.kvscheme import APP_SCHEMES, SIXTEEN_BIT, KVScheme, parse_format, scheme_for
 
 TOKENS = np.random.default_rng(0).integers(3, 200, size=300).tolist()
 G32 = dict(group_size=32)  # the tiny model's heads are 32 wide

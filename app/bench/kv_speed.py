@@ -19,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from app.engine.kvquant import APP_SCHEMES, KVScheme, to_mixed
+from app.engine.kvquant import to_mixed
+from app.engine.kvscheme import APP_SCHEMES, KVScheme
 
 SHAPES = {
     # Qwen3-1.7B's config.json, less what does not change the arithmetic.

@@ -27,7 +27,8 @@ from app.engine.generation import (
     TurnFinished,
     TurnStats,
 )
-from app.engine.kvquant import MixedKVCache, quantizer, scheme_for
+from app.engine.kvquant import MixedKVCache, quantizer
+from app.engine.kvscheme import scheme_for
 from app.engine.loading import LoadedModel
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}

@@ -17,7 +17,7 @@ import sqlite_utils
 
 from app.engine.chat import ChatSession, Event
 from app.engine.generation import KVSettings, SamplingSettings, TextDelta, TurnFinished
-from app.engine.kvquant import scheme_for, usable_format
+from app.engine.kvscheme import scheme_for, usable_format
 from app.engine.kvstore import SNAPSHOT, KVStore, SaveReport
 from app.engine.loading import LoadedModel
 from sessions.cachefiles import CacheIndex, DiskFull

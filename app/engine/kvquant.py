@@ -7,7 +7,8 @@ next word mostly depends on) lose the precision the model leans on most.
 `MixedKVCache` stores the bulk of the context quantized, with
 
 - separate bit widths for keys and values (keys are the sensitive half),
-- the first `sink` tokens and the last `window` tokens kept in float16,
+- 16-bit copies of the first `sink` and the last `window` tokens, written
+  over their dequantized rows when attention reads the cache,
 - optionally the keys rotated by a Walsh-Hadamard transform before
   quantizing, which spreads an outlier channel over the whole group.
 
@@ -24,13 +25,14 @@ the first `keep`. Tokens are always held in temporal order.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, create_attention_mask
+
+from app.engine.kvscheme import KVScheme, parse_format
 
 _SIXTEEN = (mx.float16, mx.bfloat16)
 
@@ -43,97 +45,6 @@ def _sixteen(x: mx.array) -> mx.array:
 
 def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return x if x.dtype == dtype else x.astype(dtype)
-
-
-@dataclass(frozen=True)
-class KVScheme:
-    """How a KV cache stores its tokens. None bits keep that half in float16."""
-
-    key_bits: int | None
-    value_bits: int | None
-    group_size: int = 64
-    sink: int = 0
-    window: int = 0
-    rotate_keys: bool = False
-
-    def __post_init__(self) -> None:
-        for bits in (self.key_bits, self.value_bits):
-            if bits not in (None, 2, 3, 4, 5, 6, 8):
-                raise ValueError(f"KV bits must be 2-6, 8 or None, not {bits}")
-
-    @property
-    def format(self) -> str:
-        """What a saved cache needs to be used again ("k4v4g64s4h"); the float16
-        window is not saved (it comes back quantized), so it is not part of it."""
-        kb, vb = self.key_bits or 16, self.value_bits or 16
-        text = f"k{kb}v{vb}g{self.group_size}"
-        return text + (f"s{self.sink}" if self.sink else "") + ("h" if self.rotate_keys else "")
-
-    def describe(self) -> str:
-        """ "4-bit (group 64, 16-bit first 4 + last 64 tokens, rotated keys)"."""
-        if self.key_bits is None and self.value_bits is None:
-            return "16-bit"
-        kb, vb = self.key_bits or 16, self.value_bits or 16
-        text = f"{kb}-bit" if kb == vb else f"{kb}-bit keys, {vb}-bit values"
-        extras = [f"group {self.group_size}"]
-        if self.sink or self.window:
-            extras.append(f"16-bit first {self.sink} + last {self.window} tokens")
-        if self.rotate_keys:
-            extras.append("rotated keys")
-        return f"{text} ({', '.join(extras)})"
-
-    def bits_per_value(self) -> float:
-        """Average stored bits per key or value element, scales and biases included."""
-
-        def one(bits: int | None) -> float:
-            return 16.0 if bits is None else bits + 32 / self.group_size
-
-        return (one(self.key_bits) + one(self.value_bits)) / 2
-
-
-SIXTEEN_BIT = KVScheme(None, None)
-# What the Memory preference's "8-bit" and "4-bit" mean, chosen from `reprise bench kv`
-# (see the README's table): group size 64, replaced by the preference's.
-APP_SCHEMES = {
-    "8-bit": KVScheme(8, 8, 64, sink=4, window=64),
-    "4-bit": KVScheme(4, 4, 64, sink=4, window=64, rotate_keys=True),
-}
-
-
-def scheme_for(bits: int | None, group_size: int = 64) -> KVScheme | None:
-    """The scheme the KV preference names: the app's 8-bit or 4-bit, other widths
-    stored the way the 4-bit is; None keeps the cache in the model's precision."""
-    if bits is None:
-        return None
-    chosen = APP_SCHEMES.get(f"{bits}-bit") or replace(
-        APP_SCHEMES["4-bit"], key_bits=bits, value_bits=bits
-    )
-    return replace(chosen, group_size=group_size)
-
-
-def usable_format(stored: str, wanted: KVScheme | None) -> bool:
-    """Whether a cache saved as `stored` can serve the `wanted` scheme: a
-    full-precision one always can (quantizing it is lossless with respect to a
-    fresh run); a quantized one only the same scheme."""
-    if stored in ("float32", "float16", "bfloat16"):
-        return True
-    return wanted is not None and stored == wanted.format
-
-
-def parse_format(text: str) -> KVScheme:
-    """The scheme a saved format names (window 0: saved caches hold none)."""
-    match = re.fullmatch(r"k(\d+)v(\d+)g(\d+)(?:s(\d+))?(h?)", text)
-    if not match:
-        raise ValueError(f"not a KV scheme format: {text!r}")
-    kb, vb, group, sink, rotate = match.groups()
-    return KVScheme(
-        None if kb == "16" else int(kb),
-        None if vb == "16" else int(vb),
-        int(group),
-        int(sink or 0),
-        0,
-        bool(rotate),
-    )
 
 
 class TokenStore:

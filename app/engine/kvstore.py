@@ -26,7 +26,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache, tr
 
 from app.engine import snapshots
 from app.engine.chat import common_prefix_length
-from app.engine.kvquant import MixedKVCache, parse_format
+from app.engine.kvquant import MixedKVCache
+from app.engine.kvscheme import KVScheme, parse_format
 from app.engine.loading import LoadedModel
 from app.engine.stored_arrays import check_dtype, from_stored, to_numpy
 from sessions.cachefiles import (
@@ -355,7 +356,7 @@ class KVStore:
         dim = self.loaded.head_dim
         part, _, n = name.partition(".")
         if fmt.startswith("k"):  # ours: see kvquant.MixedKVCache.quantized_tokens
-            scheme = parse_format(fmt)
+            scheme = _scheme(fmt)
             if name in ("sk", "sv"):
                 return (
                     (1, heads, min(scheme.sink, end), dim) if start == 0 and scheme.sink else None
@@ -425,7 +426,7 @@ class KVStore:
             if not fmt.startswith(family):
                 raise CacheRejected(f"{name} layers in a {fmt} cache")
             if name == "MixedKVCache":
-                layer = MixedKVCache.from_quantized(parse_format(fmt), named)
+                layer = MixedKVCache.from_quantized(_scheme(fmt), named)
                 if layer.stored() != total:
                     raise CacheRejected("restored length does not match")
                 cache.append(layer)
@@ -444,6 +445,13 @@ class KVStore:
             cache.append(layer)
         mx.eval([layer.state for layer in cache])
         return cache
+
+
+def _scheme(fmt: str) -> KVScheme:
+    try:
+        return parse_format(fmt)
+    except ValueError as exc:
+        raise CacheRejected(f"unknown KV format {fmt!r}") from exc
 
 
 def _load_mlx(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:

@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from app.engine.kvquant import SIXTEEN_BIT, MixedKVCache
+from app.engine.kvquant import MixedKVCache
+from app.engine.kvscheme import SIXTEEN_BIT
 from app.engine.stored_arrays import check_dtype, from_stored, to_numpy
 from sessions.cachefiles import CacheRejected
 

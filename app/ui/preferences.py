@@ -41,6 +41,7 @@ def kv_tradeoffs(path: Path = KV_FIGURES) -> dict[int | None, str]:
         figures = json.loads(path.read_text())
         rows = {row["mode"]: row for row in figures["rows"]}
         base = rows["16-bit"]
+        where = "on a GPU" if figures.get("compute", "").startswith("gpu") else "on the CPU"
         lines[None] = (
             f"Full precision: the most memory ({base['kv_bytes'] / 1e6:.0f} MB at "
             f"{figures['tokens']:,} tokens on {figures['model']}); the reference quality."
@@ -52,7 +53,7 @@ def kv_tradeoffs(path: Path = KV_FIGURES) -> dict[int | None, str]:
                 f"{(row['ppl'] / base['ppl'] - 1) * 100:+.1f}%, repeated 4-grams "
                 f"{row['repeat_4gram']:.0%} (16-bit {base['repeat_4gram']:.0%}), decoding "
                 f"{row['decode_tps'] / base['decode_tps']:.2f}x as fast (measured on "
-                f"{figures['model']}, {figures['tokens']:,} tokens)."
+                f"{figures['model']}, {figures['tokens']:,} tokens {where})."
             )
     except (OSError, ValueError, KeyError, TypeError):
         lines |= {8: "About half the memory of 16-bit.", 4: "About a third of the memory."}
