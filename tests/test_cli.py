@@ -155,21 +155,21 @@ def test_bench_kv_prints_one_row_per_mode_side_by_side(tiny_model_dir, tmp_path)
     """The command behind the README's KV table, shortened to run on the tiny model."""
     saved = tmp_path / "kv.json"
     done = reprise(
-        "bench", "kv", "--model", str(tiny_model_dir), "--tokens", "120", "--continuation",
-        "12", "--group-size", "32", "--modes", "mlx-lm 4-bit", "k4v4 hadamard sink+window",
+        "bench", "kv", "--model", str(tiny_model_dir), "--tokens", "400", "--continuation",
+        "12", "--group-size", "32", "--modes", "mlx-lm 4-bit", "k4v4 hadamard sink+window128",
         "--json", "--save", str(saved),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert json.loads(saved.read_text()) == result
     rows = result["rows"]
-    assert [r["mode"] for r in rows] == ["16-bit", "mlx-lm 4-bit", "k4v4 hadamard sink+window"]
+    assert [r["mode"] for r in rows] == ["16-bit", "mlx-lm 4-bit", "k4v4 hadamard sink+window128"]
     keys = {"ppl", "kl", "kv_bytes", "peak_bytes", "repeat_4gram", "prefill_tps", "decode_tps"}
     for row in rows:
         assert keys <= set(row) and row["ppl"] > 1 and row["kv_bytes"] > 0
     assert rows[0]["kl"] == 0 and all(r["kl"] > 0 for r in rows[1:])
     assert all(r["kv_bytes"] < rows[0]["kv_bytes"] for r in rows[1:])
-    assert result["app_modes"] == {"4-bit": "k4v4 hadamard sink+window"}
+    assert result["app_modes"] == {"4-bit": "k4v4 hadamard sink+window128"}
 
 
 def test_bench_kv_speed_runs_each_scheme_on_a_random_model():
