@@ -9,7 +9,6 @@ from pathlib import Path
 
 import app.engine  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 from app import __version__
-from app.bench import kv_speed
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
@@ -110,11 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--modes", nargs="+", help="only these rows (and 16-bit)")
     kv.add_argument("--json", action="store_true")
     kv.add_argument("--save", type=Path, help="also write the JSON here (resources/kv-bench.json)")
-    kv_speed.add_arguments(
-        bench_commands.add_parser(
-            "kv-speed", help="decode speed per KV scheme at long contexts, random weights"
-        )
+    speed = bench_commands.add_parser(
+        "kv-speed", help="decode speed per KV scheme at long contexts, random weights"
     )
+    speed.add_argument("--shape", default="qwen3-1.7b", help="qwen3-1.7b, or tiny for a smoke run")
+    speed.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    speed.add_argument("--steps", type=int, default=64, help="decode steps timed per mode")
+    speed.add_argument("--json", action="store_true")
     return parser
 
 

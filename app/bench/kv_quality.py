@@ -23,11 +23,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from app.engine.kvquant import quantizer
 from app.engine.kvscheme import APP_SCHEMES, SIXTEEN_BIT, KVScheme
@@ -50,14 +52,12 @@ class Mode:
         if self.scheme is not None:
             quantizer(self.scheme)(cache)
             return cache, lambda c: None
-        bits, group = self.mlx_lm_bits, self.group_size
-
-        def to_mlx_lm(c: list) -> None:  # as mlx-lm's maybe_quantize_kv_cache
-            for i, layer in enumerate(c):
-                if type(layer) is KVCache:
-                    c[i] = layer.to_quantized(group_size=group, bits=bits)
-
-        return cache, to_mlx_lm
+        return cache, partial(
+            maybe_quantize_kv_cache,
+            quantized_kv_start=0,
+            kv_group_size=self.group_size,
+            kv_bits=self.mlx_lm_bits,
+        )
 
 
 def default_modes(group_size: int = 64) -> list[Mode]:

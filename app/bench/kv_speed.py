@@ -4,8 +4,8 @@ on whatever device mlx runs on. This is the GPU check of issue 5: mlx's CUDA
 backend has no `quantized_matmul` kernel for the decode shapes that mlx-lm's
 quantized attention needs, while our schemes read the cache back dequantized.
 
-Imports only mlx, mlx-lm and the engine's kvquant, so it runs on a machine with
-nothing else installed: `python -m app.bench.kv_speed --json`.
+Needs only mlx, mlx-lm and the engine, so it runs on a machine with nothing else
+installed: `python -m app.cli bench kv-speed --json`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from app.engine.errors import UserError
 from app.engine.kvquant import to_mixed
 from app.engine.kvscheme import APP_SCHEMES, KVScheme
 
@@ -159,20 +160,9 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
-    parser.add_argument("--steps", type=int, default=64, help="decode steps timed per mode")
-    parser.add_argument("--json", action="store_true")
-
-
 def main(args: argparse.Namespace) -> int:
+    if args.shape not in SHAPES:
+        raise UserError(f"Unknown shape {args.shape!r}; known: {', '.join(SHAPES)}")
     result = run(args.shape, args.tokens, args.steps)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    raise SystemExit(main(parser.parse_args()))

@@ -191,15 +191,15 @@ class MixedKVCache:
 
     def trim(self, n: int) -> int:
         n = min(n, self.stored())
+        left = self.stored() - n
         for part in (0, 1):
             self.bulk[part].trim(n)
-            recent = self.recent[part]
+            recent, sink = self.recent[part], self.sink[part]
             if recent is not None:
                 kept = recent.shape[2] - n
                 self.recent[part] = recent[..., :kept, :] if kept > 0 else None
-            sink = self.sink[part]
-            if sink is not None and sink.shape[2] > self.stored():
-                self.sink[part] = sink[..., : self.stored(), :] if self.stored() else None
+            if sink is not None and sink.shape[2] > left:
+                self.sink[part] = sink[..., :left, :] if left else None
         self.offset -= n
         return n
 
@@ -262,9 +262,7 @@ class MixedKVCache:
             if have < self.sink_size:  # only while the first tokens arrive
                 first = _sixteen(x[..., : self.sink_size - have, :])
                 self.sink[part] = first if sink is None else mx.concatenate([sink, first], axis=2)
-            window = min(
-                self.scheme.window, len(self.bulk[part])
-            )  # a sliding window may be smaller
+            window = min(self.scheme.window, len(self.bulk[part]))  # a sliding one may be smaller
             if window:
                 tail = _sixteen(x[..., -window:, :])
                 recent = self.recent[part]
@@ -301,34 +299,27 @@ class MixedKVCache:
         """Rebuild from `quantized_tokens` of a whole cache."""
         layer = cls(replace(scheme, window=0))
         for part, prefix in enumerate("kv"):
-            count = 1 if _bits(scheme, part) is None else 3
+            count = 1 if layer.bulk[part].bits is None else 3
             layer.bulk[part].append_encoded([named[f"{prefix}.{n}"] for n in range(count)])
             layer.sink[part] = named.get(f"s{prefix}")
         layer.offset = layer.stored()
         return layer
 
 
-def _bits(scheme: KVScheme, part: int) -> int | None:
-    return scheme.key_bits if part == 0 else scheme.value_bits
-
-
 def to_mixed(layer: KVCache | RotatingKVCache, scheme: KVScheme) -> MixedKVCache:
     """A full-precision layer's tokens re-stored per `scheme` (lossless up to the scheme)."""
     if isinstance(layer, RotatingKVCache):
         mixed = MixedKVCache(scheme, layer.max_size, layer.keep)
-        stored = min(layer.offset, layer.keys.shape[2]) if layer.keys is not None else 0
-        if layer.keys is not None and layer.offset > layer.keys.shape[2]:
-            keys = layer._temporal_order(layer.keys)
-            values = layer._temporal_order(layer.values)
-        elif layer.keys is not None:
-            keys, values = layer.keys[..., :stored, :], layer.values[..., :stored, :]
+        in_order = layer.keys is not None and layer.offset > layer.keys.shape[2]
     else:
-        mixed = MixedKVCache(scheme)
-        stored = layer.offset
-        if layer.keys is not None:
-            keys, values = layer.keys[..., :stored, :], layer.values[..., :stored, :]
-    if stored:
-        mixed.extend(keys, values)
+        mixed, in_order = MixedKVCache(scheme), False
+    if layer.keys is not None:
+        if in_order:  # a full ring: put its tokens back in temporal order
+            keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+        else:
+            keys, values = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
+        if keys.shape[2]:
+            mixed.extend(keys, values)
     mixed.offset = layer.offset
     return mixed
 
