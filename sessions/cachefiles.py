@@ -1,160 +1,61 @@
-"""KV-cache chunk files on disk and their index in SQLite (DESIGN.md §4).
+"""The index of KV-cache chunk files in SQLite (DESIGN.md §4).
 
-This module knows files, bytes and rows, not models: tensors arrive and leave
-as numpy arrays with string metadata; the engine decides what they mean.
+The files themselves (contained URLs, atomic writes, checked reads) are
+`sessions.chunkio`; their rows are checked in `sessions.cacherows`. This module
+keeps which chunks exist and which conversation uses which, and never lets a
+damaged row or file escape as an exception: each becomes a `CacheRejected`
+(the caller recomputes) or is skipped and collected.
 
-- Contained: a stored `file://` URL is only opened if it resolves inside the
-  cache root.
-- Checked: every file carries a format version, the caller's expectations
-  (model fingerprint, KV format, token range, ...) and a CRC-32 of its
-  tensors; any mismatch raises `CacheRejected` with a reason.
-- Atomic: written to a temporary file in the same folder, fsynced, renamed;
-  the index row is written after the file exists.
+- Atomic: the index row is written after the file exists; a chunk is deleted
+  row first, then file, so a crash leaves an orphan file, never a row
+  pointing at nothing.
 - Bounded: `evict_to_budget` drops least-recently-used chunks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timezone
+import sqlite3
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import numpy as np
 import sqlite_utils
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
-from sessions import paths
-from sessions.errors import UserError
+from sessions.cacherows import ConversationCache, chunk_entry, conversation_entry, is_key
+from sessions.chunkio import (
+    FORMAT_VERSION,
+    STALE_TEMP_SECONDS,
+    TMP_PREFIX,
+    Loader,
+    is_stale_temp,
+    kv_root,
+    load_numpy,
+    now,
+    path_from_url,
+    read_file,
+    write_file,
+)
+from sessions.errors import CacheRejected, DiskFull
 
-FORMAT_VERSION = "1"
-_TMP_PREFIX = ".tmp-"
+__all__ = [
+    "FORMAT_VERSION",
+    "CacheIndex",
+    "CacheRejected",
+    "ConversationCache",
+    "DiskFull",
+    "kv_root",
+    "load_numpy",
+    "now",
+    "path_from_url",
+    "read_file",
+    "write_file",
+]
 
-
-class CacheRejected(Exception):
-    """A cache file cannot be used; `reason` says why in a few words."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class DiskFull(UserError):
-    pass
-
-
-def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
-
-
-def kv_root() -> Path:
-    root = paths.cache_dir() / "kv"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
-def checksum(tensors: dict[str, np.ndarray]) -> str:
-    crc = 0
-    for name in sorted(tensors):
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(np.ascontiguousarray(tensors[name]).view(np.uint8).data, crc)
-    return f"{crc:08x}"
-
-
-def path_from_url(url: str, root: Path | None = None) -> Path:
-    """The file a stored URL names, refused unless it is a file:// URL inside the cache root."""
-    root = (root or kv_root()).resolve()
-    parsed = urlparse(url)
-    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
-        raise CacheRejected(f"not a local file URL: {url}")
-    path = Path(unquote(parsed.path)).resolve()
-    if not path.is_relative_to(root):
-        raise CacheRejected(f"outside the cache folder: {url}")
-    return path
-
-
-def write_file(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> int:
-    """Write a safetensors file atomically; return its size."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # safetensors writes an array's underlying buffer: a strided view must be compacted first.
-    tensors = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
-    metadata = {**metadata, "reprise.format": FORMAT_VERSION, "checksum": checksum(tensors)}
-    tmp = path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{path.name}")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as exc:
-        tmp.unlink(missing_ok=True)
-        # safetensors reports I/O failures as its own error, with the OS error in the text.
-        if getattr(exc, "errno", None) == errno.ENOSPC or "os error 28" in str(exc):
-            raise DiskFull(
-                f"The disk is full; the conversation's cache was not saved ({path.parent})"
-            ) from exc
-        raise OSError(f"The cache file {path.name} could not be written: {exc}") from exc
-    _fsync_dir(path.parent)
-    return path.stat().st_size
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-Loader = Callable[[Path], tuple[dict, dict[str, str]]]
-
-
-def load_numpy(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    with safe_open(str(path), framework="np") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
-        return tensors, f.metadata() or {}
-
-
-def read_file(path: Path, expect: dict[str, str], load: Loader = load_numpy) -> tuple[dict, dict]:
-    """Read and check a chunk file against `expect` (metadata that must match exactly).
-
-    `load` reads the tensors; the engine passes one that reads straight into its own
-    arrays. Any array type that numpy can view (the buffer protocol) works.
-    """
-    if not path.is_file():
-        raise CacheRejected("file missing")
-    try:
-        tensors, metadata = load(path)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CacheRejected(f"unreadable file ({exc})") from exc
-    if metadata.get("reprise.format") != FORMAT_VERSION:
-        raise CacheRejected("not a Reprise cache file of this version")
-    for key, value in expect.items():
-        if metadata.get(key) != value:
-            raise CacheRejected(f"{key} does not match")
-    if checksum(tensors) != metadata.get("checksum"):
-        raise CacheRejected("checksum mismatch (damaged file)")
-    return tensors, metadata
-
-
-@dataclass
-class ConversationCache:
-    conversation_id: int
-    model_fingerprint: str
-    kv_format: str
-    tokens: list[int]
-    chunk_tokens: int
-    chunk_keys: list[str]
-    updated: str = ""
+SUFFIX = ".safetensors"
 
 
 class CacheIndex:
@@ -165,11 +66,31 @@ class CacheIndex:
         self.root = root or kv_root()
 
     def chunk_path(self, key: str) -> Path:
-        return self.root / key[:2] / f"{key}.safetensors"
+        return self.root / key[:2] / f"{key}{SUFFIX}"
+
+    # -- chunks ------------------------------------------------------------------
 
     def chunk(self, key: str) -> dict | None:
-        rows = list(self.db["cache_chunks"].rows_where("key = ?", [key]))
-        return rows[0] if rows else None
+        """The chunk's row, checked; None if there is none or it is damaged."""
+        try:
+            return self._chunk_row(key)
+        except CacheRejected:
+            return None
+
+    def _chunk_row(self, key: str) -> dict | None:
+        try:
+            rows = list(self.db["cache_chunks"].rows_where("key = ?", [key]))
+        except sqlite3.DatabaseError as exc:
+            raise CacheRejected(f"the cache index cannot be read ({exc})") from exc
+        return chunk_entry(rows[0]) if rows else None
+
+    def _chunk_rows(self) -> Iterator[tuple[object, dict | None]]:
+        """(key as stored, checked row or None where it is damaged) for every chunk."""
+        for row in list(self.db["cache_chunks"].rows):
+            try:
+                yield row.get("key"), chunk_entry(row)
+            except CacheRejected:
+                yield row.get("key"), None
 
     def add_chunk(
         self,
@@ -197,11 +118,56 @@ class CacheIndex:
             pk="key",
         )
 
+    def read_chunk(
+        self,
+        key: str,
+        expect: Mapping[str, str],
+        load: Loader = load_numpy,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> tuple[dict, dict[str, str], dict]:
+        """(tensors, metadata, row) of chunk `key`, checked against its row (the file
+        must be the one this index names for the key, of the size it wrote) and
+        `expect`/`shapes` (see `read_file`). A rejected chunk is deleted, so the next
+        save writes it afresh rather than reusing a file that can never be read."""
+        row = None
+        try:
+            row = self._chunk_row(key)
+            if row is None:
+                raise CacheRejected("cache files were evicted")
+            path = path_from_url(row["url"], self.root)
+            if path != self.chunk_path(key).resolve():
+                raise CacheRejected("the index names another file for this chunk")
+            tensors, metadata = read_file(path, expect, load, shapes=shapes, size=row["bytes"])
+        except CacheRejected:
+            if row is not None or self._has_row(key):
+                self.delete_chunk(key)
+            raise
+        return tensors, metadata, row
+
+    def _has_row(self, key: object) -> bool:
+        return (
+            self.db.execute("select 1 from cache_chunks where key = ?", [key]).fetchone()
+            is not None
+        )
+
     def touch(self, keys: list[str]) -> None:
         stamp = now()
         with self.db.conn:
             for key in keys:
                 self.db.execute("update cache_chunks set last_used = ? where key = ?", [stamp, key])
+
+    def delete_chunk(self, key: object) -> None:
+        """Row first, then file: a crash in between leaves an orphan file for gc,
+        never a row pointing at nothing."""
+        url = self.db.execute("select url from cache_chunks where key = ?", [key]).fetchone()
+        with self.db.conn:
+            self.db.execute("delete from cache_chunks where key = ?", [key])
+        if url:
+            # Never outside the cache root, never a folder: a damaged URL leaves an orphan.
+            with contextlib.suppress(CacheRejected, OSError):
+                path_from_url(url[0], self.root).unlink(missing_ok=True)
+
+    # -- conversations -------------------------------------------------------------
 
     def set_conversation(self, entry: ConversationCache) -> None:
         self.db["conversation_caches"].upsert(
@@ -218,62 +184,66 @@ class CacheIndex:
         )
 
     def conversation(self, conversation_id: int) -> ConversationCache | None:
-        rows = list(
-            self.db["conversation_caches"].rows_where("conversation_id = ?", [conversation_id])
-        )
-        if not rows:
+        """The conversation's saved cache; None if there is none or its row is damaged
+        (`checked_conversation` says why)."""
+        try:
+            return self.checked_conversation(conversation_id)
+        except CacheRejected:
             return None
-        row = rows[0]
-        return ConversationCache(
-            conversation_id=row["conversation_id"],
-            model_fingerprint=row["model_fingerprint"],
-            kv_format=row["kv_format"],
-            tokens=np.frombuffer(row["tokens"], dtype="<i4").tolist(),
-            chunk_tokens=row["chunk_tokens"],
-            chunk_keys=json.loads(row["chunk_keys"]),
-            updated=row["updated"],
-        )
+
+    def checked_conversation(self, conversation_id: int) -> ConversationCache | None:
+        """The conversation's saved cache, None if there is none, or `CacheRejected`."""
+        try:
+            rows = list(
+                self.db["conversation_caches"].rows_where("conversation_id = ?", [conversation_id])
+            )
+        except sqlite3.DatabaseError as exc:
+            raise CacheRejected(f"the cache index cannot be read ({exc})") from exc
+        return conversation_entry(rows[0]) if rows else None
+
+    def _conversation_entries(self) -> Iterator[ConversationCache]:
+        for row in list(self.db["conversation_caches"].rows):
+            with contextlib.suppress(CacheRejected):
+                yield conversation_entry(row)
 
     def forget_conversation(self, conversation_id: int) -> None:
         self.db["conversation_caches"].delete_where("conversation_id = ?", [conversation_id])
 
+    def referenced_keys(self) -> set[str]:
+        keys: set[str] = set()
+        for entry in self._conversation_entries():
+            keys.update(entry.chunk_keys)
+        return keys
+
+    # -- the whole cache -------------------------------------------------------------
+
     def usage(self) -> tuple[int, int]:
         """(chunk count, bytes) of the whole cache."""
-        row = next(
-            self.db.query("select count(*) as n, coalesce(sum(bytes), 0) as b from cache_chunks")
-        )
-        return row["n"], row["b"]
+        row = self.db.execute(
+            "select count(*), coalesce(sum(case when typeof(bytes) = 'integer' and bytes > 0 "
+            "then bytes else 0 end), 0) from cache_chunks"
+        ).fetchone()
+        return row[0], row[1]
 
     def conversations_summary(self) -> list[dict]:
         """Per conversation: tokens, bytes on disk, KV format, last used."""
         # One read of the chunk table, not a query per chunk: the sidebar asks after every turn.
-        chunks = {c["key"]: c for c in self.db["cache_chunks"].rows}
+        chunks = {row["key"]: row for _, row in self._chunk_rows() if row}
         summary = []
-        for row in self.db["conversation_caches"].rows:
-            keys = json.loads(row["chunk_keys"])
-            present = [chunks[k] for k in keys if k in chunks]
+        for entry in self._conversation_entries():
+            present = [chunks[k] for k in entry.chunk_keys if k in chunks]
             summary.append(
                 {
-                    "conversation_id": row["conversation_id"],
-                    "tokens": len(row["tokens"]) // 4,
+                    "conversation_id": entry.conversation_id,
+                    "tokens": len(entry.tokens),
                     "bytes": sum(c["bytes"] for c in present),
-                    "chunks": len(keys),
+                    "chunks": len(entry.chunk_keys),
                     "chunks_on_disk": len(present),
-                    "kv_format": row["kv_format"],
-                    "last_used": max((c["last_used"] for c in present), default=row["updated"]),
+                    "kv_format": entry.kv_format,
+                    "last_used": max((c["last_used"] for c in present), default=entry.updated),
                 }
             )
         return summary
-
-    def delete_chunk(self, key: str) -> None:
-        """Row first, then file: a crash in between leaves an orphan file for gc,
-        never a row pointing at nothing."""
-        row = self.chunk(key)
-        with self.db.conn:
-            self.db["cache_chunks"].delete_where("key = ?", [key])
-        if row:
-            with contextlib.suppress(CacheRejected):  # never delete outside the cache root
-                path_from_url(row["url"], self.root).unlink(missing_ok=True)
 
     def evict_to_budget(self, budget_bytes: int, keep: set[str] = frozenset()) -> int:
         """Delete least-recently-used chunks until the cache fits; return bytes freed."""
@@ -281,7 +251,11 @@ class CacheIndex:
         freed = 0
         if used <= budget_bytes:
             return 0
-        for row in self.db["cache_chunks"].rows_where(order_by="last_used, key"):
+        rows = sorted(
+            (row for _, row in self._chunk_rows() if row),
+            key=lambda row: (row["last_used"], row["key"]),
+        )
+        for row in rows:
             if used - freed <= budget_bytes:
                 break
             if row["key"] in keep:
@@ -301,44 +275,83 @@ class CacheIndex:
         for key in keys - self.referenced_keys():
             self.delete_chunk(key)
 
-    def referenced_keys(self) -> set[str]:
-        keys: set[str] = set()
-        for row in self.db["conversation_caches"].rows:
-            keys.update(json.loads(row["chunk_keys"]))
-        return keys
-
-    def collect_garbage(self) -> dict[str, int]:
-        """Remove temp files, files without rows, rows without files, unreferenced chunks."""
-        removed = {"temp_files": 0, "orphan_files": 0, "missing_rows": 0, "unreferenced": 0}
-        known = {row["key"] for row in self.db["cache_chunks"].rows}
-        for path in self.root.rglob("*"):
-            if not path.is_file():
+    def drop_missing(self) -> dict[str, int]:
+        """Drop damaged chunk rows and rows whose file is gone (safe while another
+        process saves: a row is only ever written after its file)."""
+        dropped = {"damaged_rows": 0, "missing_rows": 0}
+        for key, row in self._chunk_rows():
+            if row is None:
+                self.delete_chunk(key)
+                dropped["damaged_rows"] += 1
                 continue
-            if path.name.startswith(_TMP_PREFIX):
-                path.unlink(missing_ok=True)
-                removed["temp_files"] += 1
-            elif path.suffix == ".safetensors" and path.stem not in known:
-                path.unlink(missing_ok=True)
-                removed["orphan_files"] += 1
-        for row in list(self.db["cache_chunks"].rows):
             try:
                 exists = path_from_url(row["url"], self.root).is_file()
-            except CacheRejected:
+            except (CacheRejected, OSError):
                 exists = False
             if not exists:
-                self.db["cache_chunks"].delete_where("key = ?", [row["key"]])
-                removed["missing_rows"] += 1
+                with self.db.conn:
+                    self.db.execute("delete from cache_chunks where key = ?", [key])
+                dropped["missing_rows"] += 1
+        return dropped
+
+    def remove_stale_temp_files(self) -> int:
+        """Temp files whose writer is gone (a kill during a save); a live writer's stay."""
+        removed = 0
+        for path in self._files():
+            if path.name.startswith(TMP_PREFIX) and is_stale_temp(path):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    removed += 1
+        return removed
+
+    def collect_garbage(self, orphan_age: float = STALE_TEMP_SECONDS) -> dict[str, int]:
+        """Remove stale temp files, files without rows (older than `orphan_age`: a
+        file another process just wrote gets its row a moment later), damaged rows,
+        rows without files, unreferenced chunks."""
+        removed = {"temp_files": self.remove_stale_temp_files(), "orphan_files": 0}
+        known = {key for key, _ in self._chunk_rows()}
+        for path in self._files():
+            if path.suffix == SUFFIX and path.stem not in known:
+                with contextlib.suppress(OSError):
+                    if time.time() - path.stat().st_mtime > orphan_age:
+                        path.unlink()
+                        removed["orphan_files"] += 1
+        removed |= self.drop_missing()
+        with self.db.conn:  # entries nothing can use: their chunks are collected below
+            damaged = [
+                row["conversation_id"]
+                for row in self.db["conversation_caches"].rows
+                if not _valid_entry(row)
+            ]
+            for conversation_id in damaged:
+                self.db.execute(
+                    "delete from conversation_caches where conversation_id is ?", [conversation_id]
+                )
+        removed["damaged_entries"] = len(damaged)
         referenced = self.referenced_keys()
-        for key in known - referenced:
-            if self.chunk(key):
+        removed["unreferenced"] = 0
+        for key, row in list(self._chunk_rows()):
+            if row and key not in referenced:
                 self.delete_chunk(key)
                 removed["unreferenced"] += 1
         return removed
 
+    def _files(self) -> Iterator[Path]:
+        """Regular files under the root (symlinks are not followed)."""
+        for folder, _, names in os.walk(self.root, followlinks=False):
+            for name in names:
+                path = Path(folder, name)
+                with contextlib.suppress(OSError):
+                    if path.is_file() and not path.is_symlink():
+                        yield path
+
     def verify(self) -> list[dict]:
         """Check every indexed file; return the bad ones with their reasons."""
         bad = []
-        for row in self.db["cache_chunks"].rows:
+        for key, row in self._chunk_rows():
+            if row is None:
+                bad.append({"key": str(key), "url": "", "reason": "damaged index row"})
+                continue
             expect = {
                 "model": row["model_fingerprint"],
                 "kv_format": row["kv_format"],
@@ -347,7 +360,16 @@ class CacheIndex:
                 "token_end": str(row["token_end"]),
             }
             try:
-                read_file(path_from_url(row["url"], self.root), expect)
+                path = path_from_url(row["url"], self.root)
+                read_file(path, expect, size=row["bytes"])
             except CacheRejected as exc:
                 bad.append({"key": row["key"], "url": row["url"], "reason": exc.reason})
         return bad
+
+
+def _valid_entry(row: dict) -> bool:
+    try:
+        conversation_entry(row)
+    except CacheRejected:
+        return False
+    return True

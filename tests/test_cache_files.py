@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -200,15 +204,29 @@ def test_verify_and_gc(tiny_model, saved_conversation, app_dirs):
     bad = index.verify()
     assert len(bad) == 1 and bad[0]["reason"].startswith("checksum mismatch")
 
-    stray = index.root / "ab" / ".tmp-123-abc.safetensors"
-    stray.parent.mkdir(exist_ok=True)
+    # Left by writers that are gone: a pid that no longer runs, and one an hour old.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (index.root / "ab").mkdir(exist_ok=True)
+    stray = index.root / "ab" / f".tmp-{dead.pid}-abc.safetensors"
     stray.write_bytes(b"half a file")
+    old_stray = index.root / "ab" / f".tmp-{os.getpid()}-old.safetensors"
+    old_stray.write_bytes(b"half a file")
+    # A live writer's temp file, and a file whose row another process is about to add.
+    live = index.root / "ab" / f".tmp-{os.getpid()}-abd.safetensors"
+    live.write_bytes(b"being written")
+    fresh = index.root / "ab" / "abfresh.safetensors"
+    fresh.write_bytes(b"x")
     orphan = index.root / "cd" / "cdorphan.safetensors"
     orphan.parent.mkdir(exist_ok=True)
     orphan.write_bytes(b"x")
+    an_hour_ago = time.time() - 3600
+    for path in (old_stray, orphan):
+        os.utime(path, (an_hour_ago, an_hour_ago))
     removed = index.collect_garbage()
-    assert removed["temp_files"] == 1 and removed["orphan_files"] == 1
-    assert not stray.exists() and not orphan.exists()
+    assert removed["temp_files"] == 2 and removed["orphan_files"] == 1
+    assert not stray.exists() and not old_stray.exists() and not orphan.exists()
+    assert live.exists() and fresh.exists()
 
 
 def test_eviction_keeps_the_budget_and_only_costs_speed(tiny_model):
