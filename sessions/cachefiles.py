@@ -84,7 +84,7 @@ class CacheIndex:
             raise CacheRejected(f"the cache index cannot be read ({exc})") from exc
         return chunk_entry(rows[0]) if rows else None
 
-    def _chunk_rows(self) -> Iterator[tuple[object, dict | None]]:
+    def chunk_rows(self) -> Iterator[tuple[object, dict | None]]:
         """(key as stored, checked row or None where it is damaged) for every chunk."""
         for row in list(self.db["cache_chunks"].rows):
             try:
@@ -158,14 +158,13 @@ class CacheIndex:
 
     def delete_chunk(self, key: object) -> None:
         """Row first, then file: a crash in between leaves an orphan file for gc,
-        never a row pointing at nothing."""
-        url = self.db.execute("select url from cache_chunks where key = ?", [key]).fetchone()
+        never a row pointing at nothing. The file deleted is the key's own, never
+        what a (possibly damaged) URL names."""
         with self.db.conn:
             self.db.execute("delete from cache_chunks where key = ?", [key])
-        if url:
-            # Never outside the cache root, never a folder: a damaged URL leaves an orphan.
-            with contextlib.suppress(CacheRejected, OSError):
-                path_from_url(url[0], self.root).unlink(missing_ok=True)
+        if is_key(key):
+            with contextlib.suppress(OSError):  # a folder planted there stays
+                self.chunk_path(key).unlink(missing_ok=True)
 
     # -- conversations -------------------------------------------------------------
 
@@ -228,7 +227,7 @@ class CacheIndex:
     def conversations_summary(self) -> list[dict]:
         """Per conversation: tokens, bytes on disk, KV format, last used."""
         # One read of the chunk table, not a query per chunk: the sidebar asks after every turn.
-        chunks = {row["key"]: row for _, row in self._chunk_rows() if row}
+        chunks = {row["key"]: row for _, row in self.chunk_rows() if row}
         summary = []
         for entry in self._conversation_entries():
             present = [chunks[k] for k in entry.chunk_keys if k in chunks]
@@ -252,7 +251,7 @@ class CacheIndex:
         if used <= budget_bytes:
             return 0
         rows = sorted(
-            (row for _, row in self._chunk_rows() if row),
+            (row for _, row in self.chunk_rows() if row),
             key=lambda row: (row["last_used"], row["key"]),
         )
         for row in rows:
@@ -279,7 +278,7 @@ class CacheIndex:
         """Drop damaged chunk rows and rows whose file is gone (safe while another
         process saves: a row is only ever written after its file)."""
         dropped = {"damaged_rows": 0, "missing_rows": 0}
-        for key, row in self._chunk_rows():
+        for key, row in self.chunk_rows():
             if row is None:
                 self.delete_chunk(key)
                 dropped["damaged_rows"] += 1
@@ -309,7 +308,7 @@ class CacheIndex:
         file another process just wrote gets its row a moment later), damaged rows,
         rows without files, unreferenced chunks."""
         removed = {"temp_files": self.remove_stale_temp_files(), "orphan_files": 0}
-        known = {key for key, _ in self._chunk_rows()}
+        known = {key for key, _ in self.chunk_rows()}
         for path in self._files():
             if path.suffix == SUFFIX and path.stem not in known:
                 with contextlib.suppress(OSError):
@@ -330,7 +329,7 @@ class CacheIndex:
         removed["damaged_entries"] = len(damaged)
         referenced = self.referenced_keys()
         removed["unreferenced"] = 0
-        for key, row in list(self._chunk_rows()):
+        for key, row in list(self.chunk_rows()):
             if row and key not in referenced:
                 self.delete_chunk(key)
                 removed["unreferenced"] += 1
@@ -348,7 +347,7 @@ class CacheIndex:
     def verify(self) -> list[dict]:
         """Check every indexed file; return the bad ones with their reasons."""
         bad = []
-        for key, row in self._chunk_rows():
+        for key, row in self.chunk_rows():
             if row is None:
                 bad.append({"key": str(key), "url": "", "reason": "damaged index row"})
                 continue

@@ -236,11 +236,12 @@ def _open_regular(path: Path) -> Iterator[BinaryIO]:
             errno.ENAMETOOLONG: "name too long",
         }
         raise CacheRejected(reasons.get(exc.errno, f"unreadable file ({exc.strerror})")) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a folder" if stat.S_ISDIR(mode) else "something that is not a file"
+        raise CacheRejected(f"{what} where the file should be")
     with open(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            what = "a folder" if stat.S_ISDIR(mode) else "something that is not a file"
-            raise CacheRejected(f"{what} where the file should be")
         try:
             yield f
         except OSError as exc:
@@ -284,3 +285,13 @@ def _load_with(load: Loader, path: Path, header: Header) -> dict:
         if dtype_code(array.dtype) != spec.dtype or tuple(array.shape) != spec.shape:
             raise CacheRejected(f"unreadable file (the loader saw {spec.name} differently)")
     return tensors
+
+
+def file_format(path: Path) -> str | None:
+    """The format version a cache file declares, from its header alone; None when
+    the file is not a readable cache file."""
+    try:
+        with _open_regular(path) as f:
+            return parse_header(f, os.fstat(f.fileno()).st_size).metadata.get(FORMAT_KEY)
+    except CacheRejected:
+        return None

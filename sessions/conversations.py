@@ -4,6 +4,10 @@ Messages form a tree: each has a parent (NULL for a conversation's first).
 Editing a user message or regenerating a reply adds a sibling; the
 conversation's `current_message_id` names the leaf of the branch on screen,
 and the path from the root to it is what the model sees.
+
+Rows are read defensively (damaged JSON or NULLs become empty values, not
+exceptions), and every storage failure in a store method becomes a clear
+`UserError` (sessions.errors.guarded).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from datetime import datetime, timezone
 
 import sqlite_utils
 
-from sessions.errors import UserError
+from sessions.errors import UserError, guarded
 
 TITLE_LENGTH = 60
 
@@ -44,12 +48,12 @@ class Message:
         return cls(
             id=row["id"],
             conversation_id=row["conversation_id"],
-            parent_id=row["parent_id"],
+            parent_id=_id(row["parent_id"]),
             role=row["role"],
-            content=row["content"] or "",
-            state=row["state"],
-            stats=json.loads(row["stats"] or "{}"),
-            created=row["created"],
+            content=_text(row["content"]),
+            state=_text(row["state"]) or "complete",
+            stats=_json_object(row["stats"]),
+            created=_text(row["created"]),
         )
 
 
@@ -69,18 +73,37 @@ class Conversation:
     def from_row(cls, row: dict) -> Conversation:
         return cls(
             id=row["id"],
-            title=row["title"] or "",
-            model=row["model"] or "",
-            system_prompt=row["system_prompt"],
-            settings=json.loads(row["settings"] or "{}"),
-            current_message_id=row["current_message_id"],
-            created=row["created"],
-            updated=row["updated"],
+            title=_text(row["title"]),
+            model=_text(row["model"]),
+            system_prompt=row["system_prompt"] if isinstance(row["system_prompt"], str) else None,
+            settings=_json_object(row["settings"]),
+            current_message_id=_id(row["current_message_id"]),
+            created=_text(row["created"]),
+            updated=_text(row["updated"]),
         )
 
     def chat_messages(self) -> list[dict]:
         """The branch as the role/content dicts a chat template takes."""
         return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else "" if value is None else str(value)
+
+
+def _id(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _json_object(value: object) -> dict:
+    """A JSON object column; anything else (NULL, damaged text) reads as empty."""
+    try:
+        parsed = json.loads(value) if isinstance(value, str | bytes) else None
+    except (ValueError, RecursionError):
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
 class ConversationStore:
@@ -89,6 +112,7 @@ class ConversationStore:
 
     # -- conversations ---------------------------------------------------------
 
+    @guarded
     def create(
         self,
         model: str,
@@ -111,25 +135,37 @@ class ConversationStore:
         )
         return self.get(table.last_pk)
 
+    @guarded
     def get(self, conversation_id: int) -> Conversation:
         rows = list(self.db["conversations"].rows_where("id = ?", [conversation_id]))
         if not rows:
             raise NotFound(f"No conversation {conversation_id}")
         conversation = Conversation.from_row(rows[0])
-        conversation.messages = self.branch(conversation.current_message_id)
+        try:
+            conversation.messages = self.branch(conversation.current_message_id)
+        except NotFound:  # a damaged pointer: show the newest message's branch instead
+            newest = self.db.execute(
+                "select max(id) from messages where conversation_id = ?", [conversation_id]
+            ).fetchone()[0]
+            conversation.current_message_id = newest
+            conversation.messages = self.branch(newest)
         return conversation
 
+    @guarded
     def list(self) -> list[Conversation]:
         """All conversations, most recently updated first (without their messages)."""
         rows = self.db["conversations"].rows_where(order_by="updated desc, id desc")
         return [Conversation.from_row(r) for r in rows]
 
+    @guarded
     def rename(self, conversation_id: int, title: str) -> None:
         self._update(conversation_id, title=title.strip())
 
+    @guarded
     def update_settings(self, conversation_id: int, **fields) -> None:
         self._update(conversation_id, **fields)
 
+    @guarded
     def delete(self, conversation_id: int) -> None:
         self.get(conversation_id)
         with self.db.conn:
@@ -143,6 +179,7 @@ class ConversationStore:
 
     # -- messages --------------------------------------------------------------
 
+    @guarded
     def add_message(
         self,
         conversation_id: int,
@@ -179,12 +216,14 @@ class ConversationStore:
             self.db["conversations"].update(conversation_id, changes)
         return self.message(message_id)
 
+    @guarded
     def message(self, message_id: int) -> Message:
         rows = list(self.db["messages"].rows_where("id = ?", [message_id]))
         if not rows:
             raise NotFound(f"No message {message_id}")
         return Message.from_row(rows[0])
 
+    @guarded
     def update_message(
         self,
         message_id: int,
@@ -202,15 +241,28 @@ class ConversationStore:
         with self.db.conn:
             self.db["messages"].update(message_id, changes)
 
+    @guarded
     def branch(self, leaf_id: int | None) -> list[Message]:
-        """The messages from the root down to `leaf_id`."""
-        path = []
-        while leaf_id is not None:
-            message = self.message(leaf_id)
+        """The messages from the root down to `leaf_id`.
+
+        A damaged tree still gives a branch: the walk stops at a parent that is
+        missing or that it has seen already (a cycle), rather than failing or looping.
+        """
+        path: list[Message] = []
+        seen: set[int] = set()
+        while leaf_id is not None and leaf_id not in seen:
+            seen.add(leaf_id)
+            rows = list(self.db["messages"].rows_where("id = ?", [leaf_id]))
+            if not rows:
+                if not path:
+                    raise NotFound(f"No message {leaf_id}")
+                break
+            message = Message.from_row(rows[0])
             path.append(message)
             leaf_id = message.parent_id
         return path[::-1]
 
+    @guarded
     def siblings(self, message_id: int) -> list[Message]:
         """The alternatives to a message (itself included), oldest first."""
         message = self.message(message_id)
@@ -220,6 +272,7 @@ class ConversationStore:
         )
         return [Message.from_row(r) for r in rows]
 
+    @guarded
     def select_branch(self, conversation_id: int, message_id: int) -> None:
         """Show the branch through `message_id`, down to its newest descendant."""
         leaf = message_id
@@ -234,6 +287,7 @@ class ConversationStore:
 
     # -- search and export -----------------------------------------------------
 
+    @guarded
     def search(self, text: str, limit: int = 50) -> list[tuple[Conversation, Message]]:
         """Messages whose text matches `text` (all words, any order), newest first."""
         words = [w for w in text.replace('"', " ").split() if w]
@@ -254,6 +308,7 @@ class ConversationStore:
             results.append((conversation, message))
         return results
 
+    @guarded
     def export(self, conversation_id: int, fmt: str) -> str:
         conversation = self.get(conversation_id)
         if fmt == "json":

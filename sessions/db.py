@@ -1,7 +1,9 @@
 """The SQLite database: opening it, and its schema as append-only migrations.
 
 One `Database` per thread (sqlite-utils ties a connection to the thread that
-made it). WAL mode lets the GUI read while the worker writes.
+made it). WAL mode lets the GUI read while the worker writes. A database that
+cannot be used (damaged, read-only, locked, on a full disk) is refused with a
+message saying what to do, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import sqlite_utils
 from sqlite_utils import Migrations
 
 from sessions import paths
-from sessions.errors import UserError
+from sessions.errors import StorageError, UserError, storage_error, storage_errors
 
 DB_NAME = "reprise.db"
+# How long a write waits for another process's write to finish before it says so.
+BUSY_TIMEOUT_S = 10.0
 
 migrations = Migrations("reprise")
 
@@ -46,7 +50,9 @@ def m001_conversations(db: sqlite_utils.Database) -> None:
             "parent_id": int,  # the message this one answers or follows; NULL for the first
             "role": str,
             "content": str,
-            "state": str,  # "complete", "streaming", "cancelled", "failed"
+            # "complete", "streaming", "cancelled", "failed", "interrupted" (the process
+            # died while streaming: see sessions.repair)
+            "state": str,
             "stats": str,  # JSON TurnStats for assistant messages
             "created": str,
             "updated": str,
@@ -97,17 +103,33 @@ def m003_measurements(db: sqlite_utils.Database) -> None:
     db["measurements"].create({"key": str, "value": float, "updated": str}, pk="key")
 
 
-def open_db(path: Path | None = None) -> sqlite_utils.Database:
-    """Open (creating or upgrading) the database; refuse one from a newer Reprise."""
-    path = path or paths.data_dir() / DB_NAME
-    conn = sqlite3.connect(str(path), timeout=30)
-    db = sqlite_utils.Database(conn)
+def open_db(
+    path: Path | None = None, busy_timeout_s: float = BUSY_TIMEOUT_S
+) -> sqlite_utils.Database:
+    """Open (creating or upgrading) the database; refuse one from a newer Reprise, and
+    one that cannot be used, with a `UserError` that says what to do."""
+    if path is None:
+        with storage_errors():
+            path = paths.data_dir() / DB_NAME
+    if path.is_dir():
+        raise StorageError(f"{path} is a folder where the database should be; move it aside.")
+    conn = None
+    try:
+        conn = sqlite3.connect(str(path), timeout=busy_timeout_s)
+        return _prepare(sqlite_utils.Database(conn), path)
+    except (sqlite3.Error, OSError) as exc:
+        if conn is not None:
+            conn.close()
+        raise storage_error(exc, path) from exc
+
+
+def _prepare(db: sqlite_utils.Database, path: Path) -> sqlite_utils.Database:
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA foreign_keys=ON")
     known = {m.name for m in migrations._migrations}
     unknown = [m.name for m in migrations.applied(db) if m.name not in known]
     if unknown:
-        conn.close()
+        db.conn.close()
         raise NewerDatabase(
             f"{path} was written by a newer version of Reprise (schema steps "
             f"{', '.join(unknown)}); update Reprise to open it. Nothing was changed."

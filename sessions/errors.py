@@ -112,7 +112,7 @@ def storage_error(exc: BaseException, path: Path | str | None = None) -> UserErr
             )
         return StorageError(f"The database{where} could not be used ({text}).")
     if isinstance(exc, OSError):
-        target = path or exc.filename or "a data folder"
+        target = exc.filename or path or "a data folder"
         reason = exc.strerror or text
         if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
             return DiskFull(f"The disk holding {target} is full. Free some space, then try again.")

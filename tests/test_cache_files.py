@@ -130,6 +130,14 @@ def corrupt(conversation_id, how):
         data = bytearray(path.read_bytes())
         data[-5] ^= 0xFF
         path.write_bytes(bytes(data))
+    elif how == "relabelled dtype":  # same item size: only a checksum over the header sees it
+        data = path.read_bytes()
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + length])
+        same_size = {"F32": "I32", "I32": "F32", "F16": "U16", "U16": "F16", "U32": "F32"}
+        header["0.k.0"]["dtype"] = same_size[header["0.k.0"]["dtype"]]
+        text = json.dumps(header).encode()
+        path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length :])
     elif how == "truncated":
         path.write_bytes(path.read_bytes()[:100])
     elif how in ("unknown class", "wrong shape"):
@@ -159,6 +167,7 @@ def corrupt(conversation_id, how):
         ("missing file", "file missing"),
         ("wrong model", "different model"),
         ("bad checksum", "checksum mismatch"),
+        ("relabelled dtype", "checksum mismatch"),
         ("truncated", "unreadable"),
         ("unknown class", "unknown cache class"),
         ("wrong shape", "wrong shape"),
