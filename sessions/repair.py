@@ -39,8 +39,8 @@ def on_start(
         report = {"interrupted_replies": mark_interrupted_replies(db, data_dir)}
         index = CacheIndex(db, root)
         report["temp_files"] = index.remove_stale_temp_files()
-        report["old_format_chunks"] = drop_other_formats(index)
         report |= index.drop_missing()
+        report["old_format_chunks"] = drop_other_formats(index)
     return report
 
 
