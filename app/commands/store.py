@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from app.commands.terminal_text import terminal_safe
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
@@ -20,20 +21,24 @@ def conversations(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps([_summary(c) for c in rows], indent=2))
         for c in [] if args.json else rows:
-            print(f"{c.id:5}  {c.updated[:16].replace('T', ' ')}  {c.model:28.28}  {c.title}")
+            title, model = terminal_safe(c.title), terminal_safe(c.model)
+            print(f"{c.id:5}  {c.updated[:16].replace('T', ' ')}  {model:28.28}  {title}")
         return 0
     if command == "show":
         conversation = store.get(args.id)
-        print(f"# {conversation.title or 'Untitled'}  ({conversation.model})")
+        # Stored text is untrusted: its control sequences never reach the terminal.
+        title, model = terminal_safe(conversation.title), terminal_safe(conversation.model)
+        print(f"# {title or 'Untitled'}  ({model})")
         for m in conversation.messages:
             note = "" if m.state == "complete" else f"  [{m.state}]"
-            print(f"\n{m.role}:{note}\n{m.content}")
+            print(f"\n{m.role}:{note}\n{terminal_safe(m.content)}")
         return 0
     if command == "search":
         hits = store.search(args.text)
         for conversation, message in hits:
-            snippet = " ".join(message.content.split())[:80]
-            print(f"{conversation.id:5}  {conversation.title[:30]:30}  {message.role}: {snippet}")
+            snippet = " ".join(terminal_safe(message.content).split())[:80]
+            title = terminal_safe(conversation.title)[:30]
+            print(f"{conversation.id:5}  {title:30}  {message.role}: {snippet}")
         return 0 if hits else 1
     if command == "delete":
         store.delete(args.id)
@@ -45,7 +50,8 @@ def conversations(args: argparse.Namespace) -> int:
         if args.output:
             Path(args.output).write_text(text)
         else:
-            print(text)
+            # Exact when redirected to a file or a pipe; made safe only for a terminal.
+            print(terminal_safe(text) if sys.stdout.isatty() else text)
         return 0
     return 2
 

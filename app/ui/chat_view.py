@@ -1,15 +1,31 @@
-"""The conversation, rendered as HTML; links in it are actions (copy, edit, ...)."""
+"""The conversation, rendered as HTML; the app's own links in it are actions (copy, edit, ...).
+
+What a message shows is untrusted (app/ui/render.py renders it as text). The view also
+holds the line itself: it loads no resource at all (the app's HTML needs none), acts only on
+links that carry its own secret token, and hands a message's http(s) links to the system
+browser on a click, never navigating itself.
+"""
 
 from __future__ import annotations
 
-from PySide6.QtCore import QTimer, QUrl, Signal
-from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import QTextBrowser
+import secrets
+import time
 
-from app.ui.render import RenderedMessage, code_blocks, conversation_html, split_thinking
+from PySide6.QtCore import QTimer, QUrl, Signal
+from PySide6.QtGui import QCursor, QDesktopServices, QGuiApplication, QImage, QTextDocument
+from PySide6.QtWidgets import QTextBrowser, QToolTip
+
+from app.ui.render import (
+    RenderedMessage,
+    code_blocks,
+    conversation_html,
+    is_web_url,
+    split_thinking,
+)
 
 # Re-render a streaming reply at most this often: smooth, and cheap for the event loop.
 _STREAM_REFRESH_MS = 60
+_IMAGE_RESOURCE = QTextDocument.ResourceType.ImageResource.value
 
 
 class ChatView(QTextBrowser):
@@ -18,9 +34,14 @@ class ChatView(QTextBrowser):
     def __init__(self) -> None:
         super().__init__()
         self.setOpenLinks(False)
+        self.setOpenExternalLinks(False)
         self.setObjectName("chatView")
         self.anchorClicked.connect(self._on_link)
+        self.highlighted.connect(self._show_link_target)
         self.messages: list[RenderedMessage] = []
+        self.refused_resources = 0  # loads the document asked for, all refused
+        # The app's links carry this; a message cannot know it, so cannot forge them.
+        self._token = secrets.token_hex(16)
         self._thinking_open: set[int] = set()
         self._refresh = QTimer(self, singleShot=True, interval=_STREAM_REFRESH_MS)
         self._refresh.timeout.connect(self.render)
@@ -48,29 +69,60 @@ class ChatView(QTextBrowser):
             self.render()
 
     def render(self, scroll_to_end: bool = False) -> None:
+        started = time.perf_counter()
         bar = self.verticalScrollBar()
         at_end = scroll_to_end or bar.value() >= bar.maximum() - 4
         position = bar.value()
         for m in self.messages:
             m.show_thinking = m.id in self._thinking_open
-        self.setHtml(conversation_html(self.messages))
+        self.setHtml(conversation_html(self.messages, self._token))
         bar.setValue(bar.maximum() if at_end else position)
+        # However long a render takes (a huge reply), the event loop keeps twice that time
+        # between two refreshes of a streaming reply.
+        spent_ms = int((time.perf_counter() - started) * 1000)
+        self._refresh.setInterval(max(_STREAM_REFRESH_MS, 2 * spent_ms))
+
+    def loadResource(self, kind: int, name: QUrl) -> QImage | str:
+        """Refuse every resource: the app's HTML uses none, so a request came from a message.
+
+        An empty value, not None: on None, QTextDocument reads local files and data: URLs
+        itself.
+        """
+        self.refused_resources += 1
+        return QImage() if kind == _IMAGE_RESOURCE else ""
 
     def _message(self, message_id: int) -> RenderedMessage | None:
         return next((m for m in self.messages if m.id == message_id), None)
 
     def _on_link(self, url: QUrl) -> None:
-        parts = url.toString().split(":")
-        if len(parts) < 3 or parts[0] != "action":
-            return
-        verb, arg = parts[1], int(parts[2])
-        message = self._message(arg)
+        target = url.toString()
+        own = f"action:{self._token}:"
+        if target.startswith(own):
+            self._run_action(*target[len(own) :].split(":"))
+        elif is_web_url(target):
+            QDesktopServices.openUrl(url)
+        # Anything else (another scheme, an action link without the token) does nothing.
+
+    def _run_action(self, verb: str, arg: str, extra: str = "") -> None:
+        message_id = int(arg)
+        message = self._message(message_id)
         if verb == "copy-msg" and message:
             QGuiApplication.clipboard().setText(split_thinking(message.content)[1])
         elif verb == "copy-code" and message:
-            QGuiApplication.clipboard().setText(code_blocks(message.content)[int(parts[3])])
+            section, _, number = extra.partition(".")
+            thinking, answer = split_thinking(message.content)
+            blocks = code_blocks((thinking if section == "think" else answer) or "")
+            if number.isdigit() and int(number) < len(blocks):
+                QGuiApplication.clipboard().setText(blocks[int(number)])
         elif verb == "think":
-            self._thinking_open ^= {arg}
+            self._thinking_open ^= {message_id}
             self.render()
         else:
-            self.action.emit(verb, arg)
+            self.action.emit(verb, message_id)
+
+    def _show_link_target(self, url: QUrl) -> None:
+        """Hovering a message's link shows where it really goes, whatever its text says."""
+        if is_web_url(url.toString()):
+            QToolTip.showText(QCursor.pos(), url.toString(), self)
+        else:
+            QToolTip.hideText()

@@ -1,27 +1,53 @@
 """Messages to the HTML subset Qt's text browser shows: Markdown, highlighted code,
 collapsible reasoning, and action links (copy, edit, regenerate, branch arrows).
 
-Action links are `action:VERB:ARG` URLs that the chat view handles.
+A message is untrusted text (a reply repeats whatever a pasted page told it), so it is
+rendered as text: raw HTML comes out escaped, images become plain links, only http(s)
+links are made, and nothing from a message can set a style, load a resource or reach the
+app's own links. Those are `action:TOKEN:VERB:ID[:EXTRA]` URLs, where TOKEN is the chat
+view's secret; a message cannot know it, so it cannot forge Edit or Regenerate.
+
+Layout stays bounded whatever the text: Markdown (markdown-it, linear on pathological
+input, unlike Python-Markdown) covers at most a budget of characters, lines and nesting;
+the rest is shown as escaped plain text, itself capped, with a note saying so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import html
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-import markdown
+from markdown_it import MarkdownIt
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import TextLexer, get_lexer_by_name
 from pygments.util import ClassNotFound
 
-_FENCE = re.compile(r"```([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 _THINK = re.compile(r"<think>(.*?)(?:</think>|\Z)", re.S)
 _FORMATTER = HtmlFormatter(noclasses=True, nowrap=True, style="friendly")
 
 USER_BG = "#eef3fb"
 CODE_BG = "#f6f8fa"
+
+# Budgets per message section (reasoning or answer), chosen from measurements on a 2-core
+# CPU (docs/reliability.md): within them setHtml + layout stays well under a second.
+MARKDOWN_CHARS = 24_000  # rendered as Markdown (six default-length replies) ...
+MARKDOWN_LINES = 1_500
+MARKDOWN_LEVEL = 16  # ... while block nesting stays below this (8 nested lists, 16 quotes)
+TABLE_COLUMNS = 64  # ... and tables are narrower than this
+SHOWN_CHARS = 200_000  # the rest as plain text, up to these; beyond, a note
+SHOWN_LINES = 4_000
+HIGHLIGHT_CHARS = 12_000  # code highlighted per section; the rest is not
+# Qt wraps a long unbroken run in quadratic time (a 200 kB "word" takes seconds), so runs
+# get a zero-width break opportunity every so many characters.
+_LONG_RUN = re.compile(r"(\S{64})(?=\S)")
+# Bidirectional overrides and isolates would let a message reorder what the user reads.
+_BIDI_CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069]")
+_SAFE_SCHEMES = ("http", "https")
 
 
 @dataclass
@@ -43,76 +69,223 @@ def split_thinking(text: str) -> tuple[str | None, str]:
     return match.group(1).strip(), (text[: match.start()] + text[match.end() :]).strip()
 
 
-def code_blocks(text: str) -> list[str]:
-    return [m.group(2) for m in _FENCE.finditer(text)]
+def action_href(token: str, verb: str, message_id: int, extra: str = "") -> str:
+    """The URL of one of the app's own links; only a view that knows `token` acts on it."""
+    return f"action:{token}:{verb}:{message_id}" + (f":{extra}" if extra else "")
 
 
-def _highlight(language: str, code: str) -> str:
+def is_web_url(url: str) -> bool:
+    """Whether a link from a message may be offered to the system browser."""
     try:
-        lexer = get_lexer_by_name(language) if language else TextLexer()
-    except ClassNotFound:
-        lexer = TextLexer()
-    return highlight(code, lexer, _FORMATTER)
+        parts = urlsplit(url)
+    except ValueError:
+        return False
+    return parts.scheme.lower() in _SAFE_SCHEMES and bool(parts.netloc)
 
 
-def markdown_html(text: str, message_id: int) -> str:
-    """Markdown to HTML, with fenced code highlighted and a copy link per block."""
-    blocks: list[str] = []
+def visible_text(text: str) -> str:
+    """Escaped text for HTML, with break opportunities in long runs and no bidi overrides."""
+    return html.escape(_LONG_RUN.sub("\\1\u200b", _BIDI_CONTROLS.sub("", text)), quote=False)
 
-    def stash(match: re.Match) -> str:
-        n = len(blocks)
-        language, code = match.group(1), match.group(2)
-        label = html.escape(language or "code")
-        blocks.append(
-            f'<table width="100%" cellpadding="6" style="background:{CODE_BG};'
-            f' margin:4px 0"><tr><td><span style="color:#888">{label}</span>'
-            f' &nbsp; <a href="action:copy-code:{message_id}:{n}">Copy</a>'
-            f'<pre style="margin:2px 0">{_highlight(language, code)}</pre></td></tr></table>'
+
+# -- Markdown ------------------------------------------------------------------------
+
+
+def _render_text(self, tokens, idx, options, env) -> str:
+    return visible_text(tokens[idx].content)
+
+
+def _render_code_inline(self, tokens, idx, options, env) -> str:
+    return f"<code>{visible_text(tokens[idx].content)}</code>"
+
+
+def _render_link_open(self, tokens, idx, options, env) -> str:
+    # Only the address: a title from the message would become a tooltip it controls.
+    return f'<a href="{html.escape(tokens[idx].attrGet("href") or "")}">'
+
+
+def _render_image(self, tokens, idx, options, env) -> str:
+    """An image is never loaded: it becomes a link to its address, named by its alt text."""
+    token = tokens[idx]
+    alt = self.renderInlineAsText(token.children or [], options, env)
+    label = visible_text(f"[image: {alt or 'no description'}]")
+    return f'<a href="{html.escape(token.attrGet("src") or "")}">{label}</a>'
+
+
+def _render_fence(self, tokens, idx, options, env) -> str:
+    token = tokens[idx]
+    language = token.info.split()[0] if token.info.strip() else ""
+    number = env["blocks"]
+    env["blocks"] += 1
+    href = action_href(env["token"], "copy-code", env["message_id"], f"{env['section']}.{number}")
+    return (
+        f'<table width="100%" cellpadding="6" style="background:{CODE_BG};'
+        f' margin:4px 0"><tr><td><span style="color:#888">{visible_text(language or "code")}'
+        f'</span> &nbsp; <a href="{href}">Copy</a>'
+        f'<pre style="margin:2px 0">{_highlight(language, token.content, env)}</pre>'
+        "</td></tr></table>"
+    )
+
+
+def _highlight(language: str, code: str, env: dict) -> str:
+    """Highlighted code, while the section's highlighting budget lasts (a span per token
+    can make the HTML thirty times the code)."""
+    lexer = TextLexer()
+    if language and env["highlighted"] + len(code) <= HIGHLIGHT_CHARS:
+        with contextlib.suppress(ClassNotFound):
+            lexer = get_lexer_by_name(language)
+            env["highlighted"] += len(code)
+    return highlight(_BIDI_CONTROLS.sub("", code), lexer, _FORMATTER)
+
+
+def _new_markdown() -> MarkdownIt:
+    # A nesting limit above MARKDOWN_LEVEL: markdown-it drops blocks nested past its limit,
+    # so the text is cut to plain before it could get there (see _markdown_extent).
+    md = MarkdownIt(
+        "commonmark", {"html": False, "xhtmlOut": False, "maxNesting": MARKDOWN_LEVEL + 8}
+    )
+    md.enable(["table", "strikethrough"])
+    md.validateLink = is_web_url
+    for name, rule in {
+        "text": _render_text,
+        "code_inline": _render_code_inline,
+        "link_open": _render_link_open,
+        "image": _render_image,
+        "fence": _render_fence,
+    }.items():
+        md.add_render_rule(name, rule)
+    return md
+
+
+_MARKDOWN = _new_markdown()
+
+
+def _normalized(text: str) -> str:
+    """Line ends as markdown-it counts them, so its line numbers index this text."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\0", "\ufffd")
+
+
+def _line_start(text: str, line: int) -> int:
+    position = 0
+    for _ in range(line):
+        position = text.find("\n", position) + 1
+        if position == 0:
+            return len(text)
+    return position
+
+
+def _within(text: str, chars: int, lines: int) -> int:
+    """The length of the longest prefix of `text` with at most `chars` characters and
+    `lines` lines, ending at a line end where it can."""
+    end = min(_line_start(text, lines), chars)
+    if end < len(text) and text[end - 1] != "\n":
+        end = text.rfind("\n", 0, end) + 1 or end
+    return end
+
+
+def _first_unrenderable_line(tokens) -> int | None:
+    """The first source line nested deeper than MARKDOWN_LEVEL, or starting a table wider
+    than TABLE_COLUMNS, if any."""
+    line = table = cells = 0
+    for token in tokens:
+        if token.map:
+            line = token.map[0]
+        if token.level >= MARKDOWN_LEVEL:
+            return line
+        if token.type == "table_open":
+            table = line
+        elif token.type == "tr_open":
+            cells = 0
+        elif token.type in ("th_open", "td_open"):
+            cells += 1
+            if cells > TABLE_COLUMNS:
+                return table
+    return None
+
+
+def _markdown_extent(text: str, env: dict) -> tuple[list, int]:
+    """Parsed tokens of the longest prefix of `text` within the budgets, and its length."""
+    end = _within(text, MARKDOWN_CHARS, MARKDOWN_LINES)
+    while end > 0:
+        tokens = _MARKDOWN.parse(text[:end], env)
+        line = _first_unrenderable_line(tokens)
+        if line is None:
+            return tokens, end
+        end = min(_line_start(text, line), end - 1)
+    return [], 0
+
+
+def _plain_html(text: str) -> str:
+    end = _within(text, SHOWN_CHARS, SHOWN_LINES)
+    note = "The rest is shown as plain text: too long, deep or wide for Markdown."
+    parts = [
+        f'<p style="color:#888"><i>{note}</i></p>',
+        f'<pre style="white-space: pre-wrap">{visible_text(text[:end])}</pre>',
+    ]
+    if end < len(text):
+        hidden = len(text) - end
+        parts.append(
+            f'<p style="color:#888"><i>{hidden:,} more characters are not shown here; '
+            "Copy gets the whole message.</i></p>"
         )
-        return f"\n\nREPRISECODEBLOCK{n}\n\n"
+    return "".join(parts)
 
-    body = _FENCE.sub(stash, text)
-    rendered = markdown.markdown(body, extensions=["tables", "sane_lists"])
-    for n, block in enumerate(blocks):
-        rendered = rendered.replace(f"<p>REPRISECODEBLOCK{n}</p>", block)
+
+@functools.lru_cache(maxsize=64)
+def markdown_html(text: str, message_id: int, token: str = "", section: str = "answer") -> str:
+    """Markdown to HTML, with fenced code highlighted and a copy link per block."""
+    text = _normalized(text)
+    env = {"message_id": message_id, "token": token, "section": section}
+    env |= {"blocks": 0, "highlighted": 0}
+    tokens, end = _markdown_extent(text, env)
+    rendered = _MARKDOWN.renderer.render(tokens, _MARKDOWN.options, env)
+    if end < len(text) and text[end:].strip():
+        rendered += _plain_html(text[end:])
     return rendered
 
 
-def message_html(message: RenderedMessage) -> str:
+def code_blocks(text: str) -> list[str]:
+    """The sources of the fenced code blocks markdown_html shows for `text`, in order."""
+    tokens, _ = _markdown_extent(_normalized(text), {})
+    return [t.content for t in tokens if t.type == "fence"]
+
+
+# -- messages ------------------------------------------------------------------------
+
+
+def message_html(message: RenderedMessage, token: str = "") -> str:
+    def link(verb: str, label: str, message_id: int = message.id) -> str:
+        return f'<a href="{action_href(token, verb, message_id)}">{label}</a>'
+
     thinking, answer = split_thinking(message.content)
     parts = []
     if thinking is not None:
         # Reasoning with no answer yet (still thinking, or stopped there) is shown open.
         show = message.show_thinking or not answer
-        verb = "Hide" if show else "Show"
         parts.append(
-            f'<p style="color:#777"><i>Reasoning</i> — '
-            f'<a href="action:think:{message.id}">{verb}</a></p>'
+            f'<p style="color:#777"><i>Reasoning</i> — {link("think", "Hide" if show else "Show")}'
+            "</p>"
         )
         if show:
             parts.append(
                 f'<div style="color:#777; margin-left:12px">'
-                f"{markdown_html(thinking, message.id)}</div>"
+                f"{markdown_html(thinking, message.id, token, 'think')}</div>"
             )
     if answer or message.state != "streaming":
-        parts.append(markdown_html(answer, message.id))
+        parts.append(markdown_html(answer, message.id, token, "answer"))
     if message.state == "streaming":
         parts.append('<p style="color:#999">▍</p>')
     elif message.state == "cancelled":
         parts.append('<p style="color:#a66"><i>Stopped</i></p>')
 
-    links = [f'<a href="action:copy-msg:{message.id}">Copy</a>']
+    links = [link("copy-msg", "Copy")]
     if message.role == "user":
-        links.append(f'<a href="action:edit:{message.id}">Edit</a>')
+        links.append(link("edit", "Edit"))
     if message.role == "assistant" and message.is_last and message.state != "streaming":
-        links.append('<a href="action:regenerate:0">Regenerate</a>')
+        links.append(link("regenerate", "Regenerate", 0))
     if message.branch and message.branch[1] > 1:
         index, count = message.branch
-        links.insert(
-            0,
-            f'<a href="action:branch-prev:{message.id}">‹</a> {index}/{count} '
-            f'<a href="action:branch-next:{message.id}">›</a>',
-        )
+        links.insert(0, f"{link('branch-prev', '‹')} {index}/{count} {link('branch-next', '›')}")
     footer = f'<p style="color:#888; font-size:small">{" &nbsp; ".join(links)}</p>'
 
     who = "You" if message.role == "user" else "Assistant"
@@ -124,10 +297,10 @@ def message_html(message: RenderedMessage) -> str:
     )
 
 
-def conversation_html(messages: list[RenderedMessage]) -> str:
+def conversation_html(messages: list[RenderedMessage], token: str = "") -> str:
     if not messages:
         return (
             '<p style="color:#888; margin-top:40px" align="center">'
             "Start a conversation by typing below.</p>"
         )
-    return "".join(message_html(m) for m in messages)
+    return "".join(message_html(m, token) for m in messages)
