@@ -13,10 +13,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache
 from safetensors.numpy import save_file
+from test_cli import REPRISE
 
 from app.engine.chat import ChatSession
-from app.engine.conversation import CacheSaved, ConversationEngine, TurnOptions
-from app.engine.generation import KVSettings, SamplingSettings, TurnFinished
+from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
+from app.engine.generation import KVSettings, SamplingSettings
+from app.engine.kvscheme import scheme_for
+from app.service.preferences import KV_CHOICES
 from sessions.cachefiles import CacheIndex, path_from_url, read_file, write_file
 from sessions.db import open_db
 
@@ -29,9 +32,9 @@ def new_engine(loaded, **kwargs) -> ConversationEngine:
     return ConversationEngine(open_db(), loaded, chunk_tokens=CHUNK, **kwargs)
 
 
-def turn(engine, conversation_id, text, options=OPTIONS) -> tuple[TurnFinished, CacheSaved]:
+def turn(engine, conversation_id, text, options=OPTIONS) -> tuple[ReplyFinished, CacheSaved]:
     events = list(engine.send(conversation_id, text, options))
-    finished = next(e for e in events if isinstance(e, TurnFinished))
+    finished = next(e for e in events if isinstance(e, ReplyFinished))
     saved = next(e for e in events if isinstance(e, CacheSaved))
     return finished, saved
 
@@ -66,18 +69,18 @@ def test_reopening_restores_from_disk_and_matches_a_fresh_computation(
     engine = new_engine(tiny_model)
     saved_tokens = engine.index.conversation(saved_conversation).tokens
     finished, _ = turn(engine, saved_conversation, "one more question")
-    extra = finished.stats.extra
-    assert extra["restore_source"] == "disk" and extra["cache_rejected"] is None
+    info = finished.restore
+    assert info.source == "disk" and info.rejected is None
     # Everything but the new message: all the saved tokens, even where the random model's
     # bytes would not re-tokenize the same.
-    assert extra["restored_tokens"] == finished.stats.reused_tokens == len(saved_tokens)
+    assert info.tokens == finished.stats.reused_tokens == len(saved_tokens)
     assert finished.text == fresh_reply(tiny_model, engine, saved_conversation, known=saved_tokens)
 
 
 def test_restore_fills_preallocated_buffers_of_the_exact_length(tiny_model, saved_conversation):
     engine = new_engine(tiny_model)
     entry = engine.index.conversation(saved_conversation)
-    result = engine.kvstore.restore(entry, [*entry.tokens, -1])
+    result = engine.kvstore.restore(entry, len(entry.tokens))
     assert result.rejected is None and len(result.tokens) == len(entry.tokens)
     layer = result.cache[0]
     assert layer.offset == len(entry.tokens) == layer.keys.shape[2]
@@ -182,8 +185,8 @@ def test_a_bad_cache_is_not_used_and_the_turn_recomputes(
     corrupt(saved_conversation, how)
     engine = new_engine(tiny_model)
     finished, _ = turn(engine, saved_conversation, "are you still there")
-    assert finished.stats.extra["restore_source"] == "recompute"
-    assert reason in finished.stats.extra["cache_rejected"]
+    assert finished.restore.source == "recompute"
+    assert reason in finished.restore.rejected
     assert finished.stats.reused_tokens == 0
     assert finished.text == fresh_reply(tiny_model, engine, saved_conversation)
     # Nothing was lost: every message is still there.
@@ -197,7 +200,7 @@ def test_a_changed_history_reuses_only_what_still_matches(tiny_model, saved_conv
     engine = new_engine(tiny_model)
     saved_tokens = engine.index.conversation(saved_conversation).tokens
     finished, _ = turn(engine, saved_conversation, "next")
-    assert finished.stats.extra["restore_source"] == "disk"
+    assert finished.restore.source == "disk"
     assert (
         0
         < finished.stats.reused_tokens
@@ -251,8 +254,8 @@ def test_eviction_keeps_the_budget_and_only_costs_speed(tiny_model):
 
     reopened = new_engine(tiny_model)
     finished, _ = turn(reopened, old.id, "hello again")
-    assert finished.stats.extra["restore_source"] == "recompute"
-    assert "evicted" in finished.stats.extra["cache_rejected"]
+    assert finished.restore.source == "recompute"
+    assert "evicted" in finished.restore.rejected
     assert [m.role for m in reopened.store.get(old.id).messages] == ["user", "assistant"] * 2
 
 
@@ -269,7 +272,7 @@ def test_quantized_caches_save_and_restore(tiny_model):
     reopened = new_engine(tiny_model)
     saved_tokens = reopened.index.conversation(conversation.id).tokens
     finished, _ = turn(reopened, conversation.id, "still eight bits", quantized)
-    assert finished.stats.extra["restore_source"] == "disk"
+    assert finished.restore.source == "disk"
     assert finished.stats.kv_format == "8-bit (group 32, 16-bit first 4 + last 64 tokens)"
     assert finished.stats.reused_tokens == len(saved_tokens)
     assert finished.text == fresh_reply(
@@ -278,14 +281,14 @@ def test_quantized_caches_save_and_restore(tiny_model):
 
     # Full precision cannot be rebuilt from 8 bits: recompute, and say why.
     finished, _ = turn(new_engine(tiny_model), conversation.id, "now full precision")
-    assert finished.stats.extra["restore_source"] == "recompute"
-    assert "cannot use" in finished.stats.extra["cache_rejected"]
+    assert finished.restore.source == "recompute"
+    assert "cannot use" in finished.restore.rejected
 
 
-@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("bits", [4, 8])
 def test_every_quantized_scheme_comes_back_as_it_was_saved(tiny_model, bits):
-    """The app's 4-bit (rotated keys, float16 sink) and the 4-bit structure at other
-    widths: chunks hold every token quantized, the sink in float16 as well."""
+    """The app's 4-bit (rotated keys) and 8-bit: chunks hold every token quantized,
+    the float16 sink as well."""
     options = TurnOptions(
         sampling=SamplingSettings.greedy(10), kv=KVSettings(bits=bits, group_size=32)
     )
@@ -295,13 +298,13 @@ def test_every_quantized_scheme_comes_back_as_it_was_saved(tiny_model, bits):
     turn(engine, conversation.id, text, options)
     live = engine.session.cache
     entry = CacheIndex(open_db()).conversation(conversation.id)
-    assert entry.kv_format == f"k{bits}v{bits}g32s4h"
+    assert entry.kv_format == scheme_for(bits, 32).format
     stored = live[0].stored()
     assert len(entry.tokens) == stored and stored > 3 * CHUNK
 
     # What came back is what was saved, bit for bit (the float16 recent window comes
     # back in its quantized form: it is not saved twice).
-    restored = new_engine(tiny_model).kvstore.restore(entry, [*entry.tokens, 1]).cache
+    restored = new_engine(tiny_model).kvstore.restore(entry, len(entry.tokens)).cache
     for saved_layer, restored_layer in zip(live, restored, strict=True):
         assert restored_layer.scheme.format == saved_layer.scheme.format
         want = saved_layer.quantized_tokens(0, stored)
@@ -312,7 +315,7 @@ def test_every_quantized_scheme_comes_back_as_it_was_saved(tiny_model, bits):
 
     reopened = new_engine(tiny_model)
     finished, _ = turn(reopened, conversation.id, "and again", options)
-    assert finished.stats.extra["restore_source"] == "disk"
+    assert finished.restore.source == "disk"
     assert finished.stats.reused_tokens == stored
 
 
@@ -321,14 +324,14 @@ def test_a_changed_kv_preference_converts_or_recomputes(tiny_model, saved_conver
     is not: recompute, and say why."""
     four = TurnOptions(sampling=OPTIONS.sampling, kv=KVSettings(bits=4, group_size=32))
     finished, _ = turn(new_engine(tiny_model), saved_conversation, "now in 4 bits", four)
-    assert finished.stats.extra["restore_source"] == "disk"
+    assert finished.restore.source == "disk"
     assert finished.stats.kv_format.startswith("4-bit (group 32")
     assert CacheIndex(open_db()).conversation(saved_conversation).kv_format == "k4v4g32s4h"
 
     eight = TurnOptions(sampling=OPTIONS.sampling, kv=KVSettings(bits=8, group_size=32))
     finished, _ = turn(new_engine(tiny_model), saved_conversation, "now in 8 bits", eight)
-    assert finished.stats.extra["restore_source"] == "recompute"
-    assert "saved as k4v4g32s4h" in finished.stats.extra["cache_rejected"]
+    assert finished.restore.source == "recompute"
+    assert "saved as k4v4g32s4h" in finished.restore.rejected
     assert finished.stats.kv_format.startswith("8-bit (group 32")
 
 
@@ -338,30 +341,84 @@ def test_the_planner_recomputes_when_that_is_faster(tiny_model, saved_conversati
     engine.measurements.observe("read_bytes_per_s", 1.0)  # a very slow disk
     engine.measurements.observe(engine._prefill_key(), 1e6)
     finished, _ = turn(engine, saved_conversation, "quick")
-    extra = finished.stats.extra
-    assert extra["restore_source"] == "recompute"
-    assert extra["estimate_recompute_s"] < extra["estimate_restore_s"]
-    assert "faster" in extra["cache_rejected"]
+    info = finished.restore
+    assert info.source == "recompute"
+    assert info.estimate_recompute_s < info.estimate_restore_s
+    assert "faster" in info.rejected
     assert db["measurements"].count == 2
 
 
-def test_export_writes_a_plain_mlx_lm_prompt_cache(tiny_model, saved_conversation, tmp_path):
+@pytest.mark.parametrize("bits", KV_CHOICES)
+def test_export_writes_what_mlx_lm_loads_for_every_kv_preference(tiny_model, bits, tmp_path):
+    """`reprise cache export`: mlx-lm's own loader reads the file, its classes are
+    mlx-lm's, and the next token's logits are those of the app's restored cache."""
     import shutil
 
-    from app.commands.store import _export
+    from mlx_lm.models.cache import KVCache
+
     from sessions import paths
 
-    entry = CacheIndex(open_db()).conversation(saved_conversation)
-    out = tmp_path / "export.safetensors"
-    # The export finds the model by name in the library.
-    shutil.copytree(tiny_model.path, paths.models_dir() / tiny_model.name)
-    assert _export(open_db(), saved_conversation, out) == 0
+    shutil.copytree(tiny_model.path, paths.models_dir() / tiny_model.name)  # found by name
+    options = TurnOptions(
+        sampling=SamplingSettings.greedy(10), kv=KVSettings(bits=bits, group_size=32)
+    )
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    turn(engine, conversation.id, "a message long enough for a few chunks of tokens", options)
+    entry = CacheIndex(open_db()).conversation(conversation.id)
+
+    done = subprocess.run(
+        [REPRISE, "cache", "export", str(conversation.id), str(tmp_path / "chat")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "chat.safetensors"  # the name said, with mlx's own suffix
+    assert str(out) in done.stdout
     cache, metadata = load_prompt_cache(str(out), return_metadata=True)
+    assert all(type(layer) is KVCache for layer in cache)
     assert metadata["model"] == tiny_model.name
-    assert cache[0].offset == len(entry.tokens)
     assert json.loads(metadata["tokens"]) == entry.tokens
-    # Same numbers as a live computation of those tokens.
-    live = ChatSession(tiny_model)
-    list(live.generate([*entry.tokens, entry.tokens[-1]], sampling=SamplingSettings.greedy(1)))
-    n = len(entry.tokens)
-    assert mx.allclose(cache[-1].keys[..., :n, :], live.cache[-1].keys[..., :n, :], atol=1e-4)
+    assert cache[0].offset == len(entry.tokens)
+
+    restored = new_engine(tiny_model).kvstore.restore(entry, len(entry.tokens)).cache
+    if bits is not None:  # as a turn does: the newest tokens are read in 16 bits
+        for layer in restored:
+            layer.set_window(scheme_for(bits, 32).window)
+    token = mx.array([[entry.tokens[-1]]])
+    theirs = tiny_model.model(token, cache=cache)[0, -1]
+    ours = tiny_model.model(token, cache=restored)[0, -1]
+    # Exported in 16 bits: what our cache holds in float32 rounds once more.
+    assert mx.allclose(theirs, ours, atol=2e-2).item(), mx.abs(theirs - ours).max()
+    assert mx.argmax(theirs).item() == mx.argmax(ours).item()
+
+
+def test_export_refuses_clearly(tiny_model, saved_conversation, tmp_path):
+    import shutil
+
+    from sessions import paths
+
+    shutil.copytree(tiny_model.path, paths.models_dir() / tiny_model.name)
+    for target, message in (
+        (tmp_path, "is a folder"),
+        ("/proc/no/such/place.safetensors", "could not write"),
+    ):
+        done = subprocess.run(
+            [REPRISE, "cache", "export", str(saved_conversation), str(target)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 1 and message in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    done = subprocess.run(
+        [REPRISE, "cache", "export", "999", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 1 and "No conversation 999" in done.stderr, done.stderr

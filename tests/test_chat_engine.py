@@ -7,7 +7,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from app.engine import chat as chat_module
-from app.engine.chat import ChatSession, ContextFull, common_prefix_length
+from app.engine import steps as steps_module
+from app.engine.chat import ChatSession, ContextFull
 from app.engine.generation import (
     KVSettings,
     PromptProgress,
@@ -16,6 +17,7 @@ from app.engine.generation import (
     TurnFinished,
 )
 from app.engine.kvquant import MixedKVCache
+from app.engine.steps import common_prefix_length
 
 
 def run(session, messages, **kwargs) -> tuple[TurnFinished, list]:
@@ -118,7 +120,7 @@ def test_stop_between_tokens_keeps_cache_and_tokens_in_step(tiny_model):
 
 
 def test_stop_during_prefill(tiny_model, monkeypatch):
-    monkeypatch.setattr(chat_module, "PREFILL_STEP", 8)
+    monkeypatch.setattr(steps_module, "PREFILL_STEP", 8)
     session = ChatSession(tiny_model)
     progress = []
 
@@ -141,7 +143,7 @@ def test_stop_during_prefill(tiny_model, monkeypatch):
 
 
 def test_prefill_reports_progress_in_steps(tiny_model, monkeypatch):
-    monkeypatch.setattr(chat_module, "PREFILL_STEP", 16)
+    monkeypatch.setattr(steps_module, "PREFILL_STEP", 16)
     session = ChatSession(tiny_model)
     _, events = run(session, [{"role": "user", "content": "words " * 20}], sampling=GREEDY)
     progress = [e for e in events if isinstance(e, PromptProgress)]
@@ -207,7 +209,7 @@ def test_kv_settings_are_checked():
 
 def test_a_conversation_longer_than_the_context_is_refused(tiny_model, monkeypatch):
     session = ChatSession(tiny_model)
-    with pytest.raises(ContextFull, match="no longer fits"):
+    with pytest.raises(ContextFull, match="does not fit the context"):
         list(session.reply([{"role": "user", "content": "x " * 3000}]))
 
 

@@ -137,7 +137,7 @@ def test_kill_during_a_save_leaves_a_usable_database_and_no_torn_cache(
         )
     )
     finished = events[-2]
-    assert finished.stats.extra["restore_source"] in ("disk", "recompute")
+    assert finished.restore.source in ("disk", "recompute")
     messages = engine.store.get(conversation_id).chat_messages()[:-1]
     *_, fresh = ChatSession(starter_model).reply(messages, sampling=SamplingSettings.greedy(20))
     assert finished.text == fresh.text

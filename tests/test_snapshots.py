@@ -9,17 +9,17 @@ from conftest import SLIDING_WINDOW
 from mlx_lm.models.cache import RotatingKVCache
 
 from app.engine.chat import ChatSession
-from app.engine.conversation import CacheSaved, ConversationEngine, TurnOptions
-from app.engine.generation import KVSettings, SamplingSettings, TurnFinished
+from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
+from app.engine.generation import KVSettings, SamplingSettings
 from app.engine.kvquant import MixedKVCache
 from sessions.cachefiles import CacheIndex, path_from_url, read_file, write_file
 from sessions.db import open_db
 
 
-def turn(engine, conversation_id, text, options) -> TurnFinished:
+def turn(engine, conversation_id, text, options) -> ReplyFinished:
     events = list(engine.send(conversation_id, text, options))
     assert isinstance(events[-1], CacheSaved) and events[-1].error is None
-    return next(e for e in events if isinstance(e, TurnFinished))
+    return next(e for e in events if isinstance(e, ReplyFinished))
 
 
 def fresh(loaded, engine, conversation_id, options, known) -> str:
@@ -52,7 +52,7 @@ def test_a_sliding_window_conversation_reopens_from_its_snapshot(sliding_model, 
 
     reopened = ConversationEngine(open_db(), sliding_model)
     finished = turn(reopened, conversation.id, "third", options)
-    assert finished.stats.extra["restore_source"] == "disk"
+    assert finished.restore.source == "disk"
     assert finished.stats.reused_tokens == len(entry.tokens)
     assert finished.text == fresh(sliding_model, reopened, conversation.id, options, entry.tokens)
 
@@ -71,11 +71,11 @@ def test_a_changed_history_or_a_bad_snapshot_recomputes(sliding_model):
     metadata["layout"] = json.dumps(layout)
     write_file(path, tensors, {k: v for k, v in metadata.items() if k != "checksum"})
     finished = turn(ConversationEngine(open_db(), sliding_model), conversation.id, "next", options)
-    assert finished.stats.extra["restore_source"] == "recompute"
-    assert "unknown cache class" in finished.stats.extra["cache_rejected"]
+    assert finished.restore.source == "recompute"
+    assert "unknown cache class" in finished.restore.rejected
 
     first = engine.store.get(conversation.id).messages[0]
     events = list(ConversationEngine(open_db(), sliding_model).edit(first.id, "edited", options))
-    finished = next(e for e in events if isinstance(e, TurnFinished))
-    assert finished.stats.extra["restore_source"] == "recompute"
-    assert "changed since its snapshot" in finished.stats.extra["cache_rejected"]
+    finished = next(e for e in events if isinstance(e, ReplyFinished))
+    assert finished.restore.source == "recompute"
+    assert "changed since its snapshot" in finished.restore.rejected

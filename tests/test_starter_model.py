@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from app.engine.chat import ChatSession, common_prefix_length
+from app.engine.chat import ChatSession
 from app.engine.evaluate import perplexity
 from app.engine.generation import SamplingSettings, TextDelta, TurnFinished
+from app.engine.steps import common_prefix_length
 
 TEXT = Path(__file__).parents[1] / "resources/text/ordinary-english.txt"
 GREEDY = SamplingSettings.greedy(48)

@@ -18,9 +18,10 @@ from pathlib import Path
 from app.engine import loading, models
 from app.engine.chat import ChatSession
 from app.engine.generation import SamplingSettings, TurnFinished
+from app.resource_files import resource
 from sessions import paths
 
-TEXT = Path(__file__).resolve().parents[2] / "resources" / "text" / "ordinary-english.txt"
+TEXT = resource("text/ordinary-english.txt")
 DECODE_TOKENS = 32
 
 

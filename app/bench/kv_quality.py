@@ -24,18 +24,21 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
+from itertools import islice
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
+from app.engine import steps
+from app.engine.generation import SamplingSettings
 from app.engine.kvquant import quantizer
-from app.engine.kvscheme import APP_SCHEMES, SIXTEEN_BIT, KVScheme
+from app.engine.kvscheme import APP_SCHEMES, KVScheme
+from app.resource_files import resource
 
-TEXT = Path(__file__).resolve().parents[2] / "resources" / "text" / "held-out-essays.txt"
-PREFILL_STEP = 512
+TEXT = resource("text/held-out-essays.txt")
+GREEDY = SamplingSettings.greedy()
 LOOP_TOKENS = 256
 
 
@@ -63,7 +66,10 @@ class Mode:
 def default_modes(group_size: int = 64) -> list[Mode]:
     g = group_size
     return [
-        Mode("16-bit", SIXTEEN_BIT),
+        # The reference is what the app runs with quantization Off: mlx-lm's own
+        # KVCache, in the model's type (float32 on the CPU path, where the
+        # weights are dequantized for OpenBLAS).
+        Mode("16-bit"),
         Mode("mlx-lm 8-bit", mlx_lm_bits=8, group_size=g),
         Mode("mlx-lm 4-bit", mlx_lm_bits=4, group_size=g),
         Mode("k8v8 sink+window", KVScheme(8, 8, g, sink=4, window=64)),
@@ -113,13 +119,8 @@ def measure(
     mx.reset_peak_memory()
     cache, after = mode.make_cache(model)
     started = time.perf_counter()
-    for start in range(0, len(context) - 1, PREFILL_STEP):
-        model(
-            mx.array(context[start : min(start + PREFILL_STEP, len(context) - 1)])[None],
-            cache=cache,
-        )
-        after(cache)
-        mx.eval([layer.state for layer in cache])
+    for _ in steps.prefill(model, cache, context[:-1], after):  # the app's own prefill
+        pass
     prefill_s = time.perf_counter() - started
 
     fed = [context[-1], *continuation[:-1]]
@@ -137,9 +138,10 @@ def measure(
     decode_s = time.perf_counter() - started
     kv_bytes = sum(layer.nbytes for layer in cache)
 
-    generated, token = [], continuation[-1]
-    for _ in range(LOOP_TOKENS):
-        token = mx.argmax(_log_probs(model, cache, after, [token])).item()
+    # The loop check decodes as the app does: its own decode step, greedy.
+    generated: list[int] = []
+    next_token = steps.make_next_token(model, cache, GREEDY, after, generated)
+    for token in islice(steps.decode(next_token, continuation[-1]), LOOP_TOKENS):
         generated.append(token)
     row = Row(
         mode=mode.name,
@@ -157,7 +159,7 @@ def measure(
 def run(model, tokens: list[int], modes: list[Mode], continuation_tokens: int) -> list[Row]:
     context, continuation = tokens[:-continuation_tokens], tokens[-continuation_tokens:]
     # Warm up kernels and memory so the first row is not charged for it.
-    measure(model, Mode("warm-up", SIXTEEN_BIT), context[:64], continuation[:8], None)
+    measure(model, Mode("warm-up"), context[:64], continuation[:8], None)
     rows, reference = [], None
     for n, mode in enumerate(modes, 1):
         print(f"[{n}/{len(modes)}] {mode.name} {time.strftime('%X')}", file=sys.stderr, flush=True)

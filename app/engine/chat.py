@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from app.engine.errors import UserError
 from app.engine.generation import (
@@ -30,15 +30,10 @@ from app.engine.generation import (
 from app.engine.kvquant import MixedKVCache, quantizer
 from app.engine.kvscheme import scheme_for
 from app.engine.loading import LoadedModel
+from app.engine.steps import decode, make_next_token, prefill, reusable_prefix
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
 Event = TextDelta | PromptProgress | TurnFinished
-
-# Tokens per prefill step: large enough for fast matmuls, small enough that
-# progress and Stop stay responsive.
-PREFILL_STEP = 512
-# The repetition penalty looks at this many recent tokens (mlx-lm's default is 20).
-_PENALTY_WINDOW = 64
 
 
 class ContextFull(UserError):
@@ -49,12 +44,15 @@ class UnsupportedKVSettings(UserError):
     pass
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+@dataclass
+class _Turn:
+    """What one turn has counted so far; its stats are made from it once, at the end."""
+
+    prompt: list[int]
+    started: float
+    reused: int = 0
+    generated: int = 0
+    first_token_at: float | None = None
 
 
 class ChatSession:
@@ -107,8 +105,6 @@ class ChatSession:
             return False
         wanted = scheme_for(kv.bits, kv.group_size)
         for layer in self.cache:
-            if isinstance(layer, QuantizedKVCache):  # mlx-lm's: never made by the app now
-                return False
             if isinstance(layer, MixedKVCache):
                 if wanted is None or layer.scheme.format != wanted.format:
                     return False
@@ -120,8 +116,7 @@ class ChatSession:
         if not self._cache_usable(kv):
             self.cache = make_prompt_cache(self.loaded.model)
             self.tokens = []
-        # Keep at least one prompt token to feed: its logits start the reply.
-        keep = min(common_prefix_length(self.tokens, prompt), len(prompt) - 1)
+        keep = reusable_prefix(self.tokens, prompt)
         excess = len(self.tokens) - keep
         if excess > 0 and trim_prompt_cache(self.cache, excess) != excess:
             self.cache = make_prompt_cache(self.loaded.model)
@@ -160,108 +155,102 @@ class ChatSession:
         model's own context length (a memory preference)."""
         sampling = sampling or SamplingSettings()
         kv = kv or KVSettings()
-        started = time.perf_counter()
-        limit = min(self.loaded.context_length, max_context or self.loaded.context_length)
-        if len(prompt) >= limit:
-            raise ContextFull(
-                f"The conversation ({len(prompt)} tokens) no longer fits the context of "
-                f"{limit} tokens; start a new chat"
-                + ("" if limit == self.loaded.context_length else " or raise the maximum context")
+        turn = _Turn(prompt, time.perf_counter())
+        room = self.check_fits(len(prompt), max_context)
+        self._check_kv(kv)
+        mx.reset_peak_memory()
+        if sampling.seed is not None:
+            mx.random.seed(sampling.seed)
+        turn.reused = self._reuse_prefix(prompt, kv)
+        remaining = prompt[turn.reused :]
+        quantize = self._quantizer(kv)
+        with mx.stream(generation_stream):
+            yield PromptProgress(0, len(remaining))
+            for done in prefill(self.loaded.model, self.cache, remaining[:-1], quantize):
+                self.tokens = list(prompt[: turn.reused + done])
+                yield PromptProgress(done, len(remaining))
+                if should_stop():
+                    yield self._finish(turn, "", "cancelled")
+                    return
+            self.tokens = list(prompt)
+            next_token = make_next_token(
+                self.loaded.model, self.cache, sampling, quantize, self.tokens
             )
-        room = limit - len(prompt)
+            text, reason = yield from self._decode(
+                turn, next_token, min(sampling.max_tokens, room), should_stop
+            )
+        yield self._finish(turn, text, reason)
+
+    def _decode(
+        self, turn: _Turn, next_token, limit: int, should_stop: Callable[[], bool]
+    ) -> Iterator[Event]:
+        """Stream text until an end token, `limit` tokens or Stop; returns (text, reason)."""
+        detokenizer = self.loaded.tokenizer.detokenizer  # a fresh copy
+        eos = set(self.loaded.tokenizer.eos_token_ids)
+        reason = "length"
+        tokens = decode(next_token, self.tokens[-1])
+        for token in tokens:
+            self.tokens.append(token)
+            turn.generated += 1
+            if turn.first_token_at is None:
+                turn.first_token_at = time.perf_counter()
+                yield PromptProgress(len(turn.prompt) - turn.reused, len(turn.prompt) - turn.reused)
+            if token in eos:
+                reason = "stop"
+                break
+            detokenizer.add_token(token)
+            if segment := detokenizer.last_segment:
+                yield TextDelta(segment)
+            if turn.generated >= limit:
+                break
+            if should_stop():
+                reason = "cancelled"
+                break
+        tokens.close()  # settles the cache on the last token handed out
+        detokenizer.finalize()
+        if segment := detokenizer.last_segment:
+            yield TextDelta(segment)
+        return detokenizer.text, reason
+
+    def check_fits(self, prompt_tokens: int, max_context: int | None = None) -> int:
+        """Room left for the reply; ContextFull when the prompt alone fills the context."""
+        own = self.loaded.context_length
+        limit = min(own, max_context or own)
+        if prompt_tokens >= limit:
+            raise ContextFull(
+                f"The conversation ({prompt_tokens:,} tokens) does not fit the context of "
+                f"{limit:,} tokens; start a new chat"
+                + ("" if limit == own else " or raise the maximum context")
+            )
+        return limit - prompt_tokens
+
+    def _check_kv(self, kv: KVSettings) -> None:
         if kv.bits is not None and self.loaded.head_dim % kv.group_size:
             raise UnsupportedKVSettings(
                 f"KV group size {kv.group_size} does not divide this model's head size "
                 f"({self.loaded.head_dim}); choose a smaller group size"
             )
-        mx.reset_peak_memory()
-        if sampling.seed is not None:
-            mx.random.seed(sampling.seed)
-        stats = TurnStats(prompt_tokens=len(prompt), compute=self.loaded.compute.describe())
-        stats.reused_tokens = self._reuse_prefix(prompt, kv)
-        remaining = prompt[stats.reused_tokens :]
-        stats.prefilled_tokens = len(remaining)
-
-        quantize = self._quantizer(kv)
-        sampler = make_sampler(sampling.temperature, sampling.top_p, sampling.min_p)
-        processors = make_logits_processors(
-            repetition_penalty=sampling.repetition_penalty
-            if sampling.repetition_penalty != 1.0
-            else None,
-            repetition_context_size=_PENALTY_WINDOW,
-        )
-
-        def step(token_ids: list[int] | mx.array) -> mx.array:
-            inputs = mx.array(token_ids) if isinstance(token_ids, list) else token_ids
-            logits = self.loaded.model(inputs[None], cache=self.cache)[:, -1, :]
-            quantize(self.cache)
-            if processors:
-                history = mx.array(self.tokens[-_PENALTY_WINDOW:])
-                for process in processors:
-                    logits = process(history, logits)
-            return sampler(logits - mx.logsumexp(logits, keepdims=True))
-
-        with mx.stream(generation_stream):
-            # Prefill all but the last prompt token in steps.
-            yield PromptProgress(0, len(remaining))
-            for start in range(0, len(remaining) - 1, PREFILL_STEP):
-                chunk = remaining[start : min(start + PREFILL_STEP, len(remaining) - 1)]
-                self.loaded.model(mx.array(chunk)[None], cache=self.cache)
-                quantize(self.cache)
-                mx.eval([c.state for c in self.cache])
-                self.tokens.extend(chunk)
-                yield PromptProgress(start + len(chunk), len(remaining))
-                if should_stop():
-                    yield self._finish(stats, "", "cancelled", started)
-                    return
-
-            self.tokens.append(remaining[-1])
-            y = step(remaining[-1:])
-            mx.async_eval(y)
-            detokenizer = self.loaded.tokenizer.detokenizer  # a fresh copy
-            eos = set(self.loaded.tokenizer.eos_token_ids)
-            reason = "length"
-            first_token_at = None
-            while True:
-                next_y = step(y)  # feeds y: the cache holds every token handed out
-                mx.async_eval(next_y)
-                token = y.item()
-                self.tokens.append(token)
-                if first_token_at is None:
-                    first_token_at = time.perf_counter()
-                    stats.ttft_s = first_token_at - started
-                    stats.prefill_s = stats.ttft_s
-                    yield PromptProgress(len(remaining), len(remaining))
-                stats.generated_tokens += 1
-                if token in eos:
-                    reason = "stop"
-                    break
-                detokenizer.add_token(token)
-                if segment := detokenizer.last_segment:
-                    yield TextDelta(segment)
-                if stats.generated_tokens >= min(sampling.max_tokens, room):
-                    break
-                if should_stop():
-                    reason = "cancelled"
-                    break
-                y = next_y
-            mx.eval(next_y)  # let the cache settle before measuring it
-            detokenizer.finalize()
-            if segment := detokenizer.last_segment:
-                yield TextDelta(segment)
-            stats.decode_s = time.perf_counter() - first_token_at
-        yield self._finish(stats, detokenizer.text, reason, started)
 
     def _quantizer(self, kv: KVSettings) -> Callable[[list], None]:
         return quantizer(scheme_for(kv.bits, kv.group_size), kv.quantized_kv_start)
 
-    def _finish(self, stats: TurnStats, text: str, reason: str, started: float) -> TurnFinished:
-        stats.finish_reason = reason
-        stats.kv_bytes = self.kv_bytes()
-        stats.kv_format = self._kv_format()
-        stats.peak_memory_bytes = mx.get_peak_memory()
-        if not stats.ttft_s:
-            stats.prefill_s = time.perf_counter() - started
+    def _finish(self, turn: _Turn, text: str, reason: str) -> TurnFinished:
+        now = time.perf_counter()
+        first = turn.first_token_at
+        stats = TurnStats(
+            prompt_tokens=len(turn.prompt),
+            reused_tokens=turn.reused,
+            prefilled_tokens=len(turn.prompt) - turn.reused,
+            prefill_s=(first or now) - turn.started,
+            ttft_s=first - turn.started if first else 0.0,
+            generated_tokens=turn.generated,
+            decode_s=now - first if first else 0.0,
+            kv_bytes=self.kv_bytes(),
+            kv_format=self._kv_format(),
+            peak_memory_bytes=mx.get_peak_memory(),
+            finish_reason=reason,
+            compute=self.loaded.compute.describe(),
+        )
         return TurnFinished(text, stats)
 
     def _kv_format(self) -> str:

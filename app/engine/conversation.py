@@ -10,23 +10,32 @@ reply is complete saves the cache's new chunks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import sqlite_utils
 
+from app.engine.cache_keys import SNAPSHOT
 from app.engine.chat import ChatSession, Event
-from app.engine.generation import KVSettings, SamplingSettings, TextDelta, TurnFinished
+from app.engine.generation import (
+    KVSettings,
+    SamplingSettings,
+    TextDelta,
+    TurnFinished,
+    TurnStats,
+)
 from app.engine.kvscheme import scheme_for, usable_format
-from app.engine.kvstore import SNAPSHOT, KVStore, SaveReport
+from app.engine.kvstore import KVStore, SaveReport
 from app.engine.loading import LoadedModel
-from sessions.cachefiles import CacheIndex, DiskFull
+from app.engine.steps import reusable_prefix
+from sessions.cachefiles import CacheIndex, ConversationCache, DiskFull
 from sessions.conversations import ConversationStore, ReplyWriter
 from sessions.measurements import Measurements
 
 READ_BANDWIDTH = "read_bytes_per_s"
 # Below this many tokens the planner does not bother: restoring is always cheap.
 _MEASURE_MIN_TOKENS = 64
+_NOTHING = ("recompute", 0.0, 0, 0)  # source, seconds, bytes and tokens of no restore
 
 
 @dataclass(frozen=True)
@@ -43,7 +52,7 @@ class CacheSaved:
     error: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class RestoreInfo:
     source: str = "recompute"  # "memory", "disk", "recompute"
     seconds: float = 0.0
@@ -63,6 +72,35 @@ class RestoreInfo:
             "estimate_recompute_s": self.estimate_recompute_s,
             "cache_rejected": self.rejected,
         }
+
+
+@dataclass(frozen=True)
+class ReplyFinished:
+    """A stored turn's reply, complete or stopped: the engine's stats for it, where its
+    cache came from, and the message it was stored as."""
+
+    text: str
+    stats: TurnStats
+    restore: RestoreInfo
+    conversation_id: int
+    message_id: int
+
+    @property
+    def ttft_s(self) -> float:
+        """What the user waited for the first token: the restore too."""
+        return self.restore.seconds + self.stats.ttft_s
+
+    def to_dict(self) -> dict:
+        return {
+            **self.stats.to_dict(),
+            **self.restore.to_stats(),
+            "ttft_s": round(self.ttft_s, 4),
+            "conversation_id": self.conversation_id,
+            "message_id": self.message_id,
+        }
+
+
+TurnEvent = Event | RestoreInfo | ReplyFinished | CacheSaved
 
 
 class ConversationEngine:
@@ -90,26 +128,23 @@ class ConversationEngine:
         text: str,
         options: TurnOptions,
         should_stop: Callable[[], bool] = lambda: False,
-    ) -> Iterator[Event | RestoreInfo | CacheSaved]:
-        conversation = self.store.get(conversation_id)
-        user = self.store.add_message(
-            conversation_id, "user", text, parent_id=conversation.current_message_id
-        )
-        yield from self._reply(conversation_id, user.id, options, should_stop)
+    ) -> Iterator[TurnEvent]:
+        parent = self.store.get(conversation_id).current_message_id
+        yield from self._turn(conversation_id, parent, text, options, should_stop)
 
     def regenerate(
         self,
         conversation_id: int,
         options: TurnOptions,
         should_stop: Callable[[], bool] = lambda: False,
-    ) -> Iterator[Event | RestoreInfo | CacheSaved]:
+    ) -> Iterator[TurnEvent]:
         """A new sibling of the last reply (the old one stays, as another branch)."""
         messages = self.store.get(conversation_id).messages
         if not messages:
             return
         last = messages[-1]
         parent = last.parent_id if last.role == "assistant" else last.id
-        yield from self._reply(conversation_id, parent, options, should_stop)
+        yield from self._turn(conversation_id, parent, None, options, should_stop)
 
     def edit(
         self,
@@ -117,35 +152,60 @@ class ConversationEngine:
         text: str,
         options: TurnOptions,
         should_stop: Callable[[], bool] = lambda: False,
-    ) -> Iterator[Event | RestoreInfo | CacheSaved]:
+    ) -> Iterator[TurnEvent]:
         """A new sibling of a user message with `text`, and a reply to it."""
         original = self.store.message(message_id)
-        edited = self.store.add_message(
-            original.conversation_id, "user", text, parent_id=original.parent_id
+        yield from self._turn(
+            original.conversation_id, original.parent_id, text, options, should_stop
         )
-        yield from self._reply(original.conversation_id, edited.id, options, should_stop)
 
     # -- one turn --------------------------------------------------------------
 
-    def _reply(
+    def _turn(
+        self,
+        conversation_id: int,
+        parent_id: int | None,
+        user_text: str | None,
+        options: TurnOptions,
+        should_stop: Callable[[], bool],
+    ) -> Iterator[TurnEvent]:
+        """Reply after `parent_id`, with a new user message first when `user_text` is
+        given. The prompt is checked against the context before anything is stored,
+        so a message too long for the model leaves the conversation as it was."""
+        conversation = self.store.get(conversation_id)
+        chat = [{"role": m.role, "content": m.content} for m in self.store.branch(parent_id)]
+        if user_text is not None:
+            chat.append({"role": "user", "content": user_text})
+        system = options.system if options.system is not None else conversation.system_prompt
+        held = self._holds(conversation_id)
+        entry = None if held else self.index.conversation(conversation_id)
+        known = self.session.tokens if held else entry.tokens if entry else []
+        prompt = self.session.render(chat, system, known=known)
+        self.session.check_fits(len(prompt), options.max_context)
+        if user_text is not None:
+            parent_id = self.store.add_message(
+                conversation_id, "user", user_text, parent_id=parent_id
+            ).id
+        self.store.update_settings(conversation_id, current_message_id=parent_id)
+        restore = self._prepare_cache(conversation_id, entry, prompt, options.kv)
+        if restore.source == "recompute" and entry is not None:
+            # The saved tokens go with the cache they came from: without it, the
+            # turn is what it would be had nothing been saved.
+            prompt = self.session.render(chat, system)
+        yield restore
+        yield from self._generate(conversation_id, parent_id, prompt, restore, options, should_stop)
+        yield self.save(conversation_id)
+
+    def _generate(
         self,
         conversation_id: int,
         parent_id: int,
+        prompt: list[int],
+        restore: RestoreInfo,
         options: TurnOptions,
         should_stop: Callable[[], bool],
-    ) -> Iterator[Event | RestoreInfo | CacheSaved]:
-        self.store.update_settings(conversation_id, current_message_id=parent_id)
-        conversation = self.store.get(conversation_id)
-        system = options.system if options.system is not None else conversation.system_prompt
-        messages = conversation.chat_messages()
-
-        def render(known: Sequence[int]) -> list[int]:
-            return self.session.render(messages, system, known=known)
-
-        restore = self._prepare_cache(conversation_id, render, options.kv)
-        yield restore
-        prompt = render(self.session.tokens)
-
+    ) -> Iterator[Event | ReplyFinished]:
+        """Stream the reply into a new assistant message."""
         reply = self.store.add_message(
             conversation_id, "assistant", "", parent_id=parent_id, state="streaming"
         )
@@ -158,23 +218,21 @@ class ConversationEngine:
                 should_stop=should_stop,
                 max_context=options.max_context,
             ):
-                if isinstance(event, TextDelta):
-                    writer.append(event.text)
-                elif isinstance(event, TurnFinished):
-                    event.stats.ttft_s += restore.seconds  # the user waited for the restore too
-                    event.stats.extra.update(restore.to_stats())
-                    event.stats.extra["conversation_id"] = conversation_id
-                    event.stats.extra["message_id"] = reply.id
+                if isinstance(event, TurnFinished):
+                    event = ReplyFinished(
+                        event.text, event.stats, restore, conversation_id, reply.id
+                    )
                     state = "cancelled" if event.stats.finish_reason == "cancelled" else "complete"
-                    writer.finish(state, event.stats.to_dict(), event.text)
-                    self._learn_prefill_rate(event)
+                    writer.finish(state, event.to_dict(), event.text)
+                    self._learn_prefill_rate(event.stats)
+                elif isinstance(event, TextDelta):
+                    writer.append(event.text)
                 yield event
         except BaseException:
             writer.finish("failed")
             self._in_memory = None
             self.session.reset()
             raise
-        yield self.save(conversation_id)
 
     def save(self, conversation_id: int) -> CacheSaved:
         """Write the cache's new chunks; a failure here costs speed later, never text."""
@@ -188,21 +246,31 @@ class ConversationEngine:
             self.index.evict_to_budget(self.budget_bytes, keep)
         return CacheSaved(report)
 
+    def forget(self, conversation_id: int) -> None:
+        """Drop the in-memory cache of a conversation that is gone."""
+        if self._in_memory == conversation_id:
+            self._in_memory = None
+            self.session.reset()
+
     # -- where the cache comes from ---------------------------------------------
 
+    def _holds(self, conversation_id: int) -> bool:
+        return self._in_memory == conversation_id and self.session.cache is not None
+
     def _prepare_cache(
-        self, conversation_id: int, render: Callable[[Sequence[int]], list[int]], kv: KVSettings
+        self,
+        conversation_id: int,
+        entry: ConversationCache | None,
+        prompt: list[int],
+        kv: KVSettings,
     ) -> RestoreInfo:
         """Leave in `session` the best cache for this turn, and say where it came from."""
-        if self._in_memory == conversation_id and self.session.cache is not None:
+        if self._holds(conversation_id):
             return RestoreInfo(source="memory", tokens=len(self.session.tokens))
         self.session.reset()
         self._in_memory = conversation_id
-        entry = self.index.conversation(conversation_id)
         if entry is None:
             return RestoreInfo(rejected="no saved cache")
-        prompt = render(entry.tokens)
-        usable, size = self.kvstore.plan(entry, prompt)
         if entry.kv_format != SNAPSHOT and not usable_format(
             entry.kv_format, scheme_for(kv.bits, kv.group_size)
         ):
@@ -210,32 +278,29 @@ class ConversationEngine:
                 rejected=f"saved as {entry.kv_format}, which the current KV "
                 f"setting ({kv.describe()}) cannot use"
             )
-        info = RestoreInfo()
-        bandwidth = self.measurements.get(READ_BANDWIDTH)
-        rate = self.measurements.get(self._prefill_key())
-        info.estimate_restore_s = size / bandwidth if bandwidth else None
-        info.estimate_recompute_s = usable / rate if rate else None
-        if (
-            info.estimate_restore_s is not None
-            and info.estimate_recompute_s is not None
-            and info.estimate_recompute_s < info.estimate_restore_s
-        ):
-            info.rejected = "recomputing is estimated to be faster than reading"
-            return info
-        result = self.kvstore.restore(entry, prompt)
-        info.seconds, info.bytes_read = result.seconds, result.bytes_read
+        usable = reusable_prefix(entry.tokens, prompt)
+        estimates = self._estimates(usable, self.kvstore.bytes_to_read(entry, usable))
+        if None not in estimates and estimates[1] < estimates[0]:
+            return RestoreInfo(*_NOTHING, *estimates, "recomputing is estimated to be faster")
+        result = self.kvstore.restore(entry, usable)
         if result.cache is None:
-            info.rejected = result.rejected
-            return info
+            return RestoreInfo("recompute", result.seconds, 0, 0, *estimates, result.rejected)
         self.session.cache, self.session.tokens = result.cache, result.tokens
-        info.source, info.tokens = "disk", len(result.tokens)
         if result.bytes_read and result.seconds > 0:
             self.measurements.observe(READ_BANDWIDTH, result.bytes_read / result.seconds)
-        return info
+        return RestoreInfo(
+            "disk", result.seconds, result.bytes_read, len(result.tokens), *estimates
+        )
+
+    def _estimates(self, tokens: int, size: int) -> tuple[float | None, float | None]:
+        """(restore, recompute) seconds from the measured read bandwidth and prefill rate."""
+        bandwidth = self.measurements.get(READ_BANDWIDTH)
+        rate = self.measurements.get(self._prefill_key())
+        return (size / bandwidth if bandwidth else None, tokens / rate if rate else None)
 
     def _prefill_key(self) -> str:
         return f"prefill_tps:{self.kvstore.fingerprint}"
 
-    def _learn_prefill_rate(self, finished: TurnFinished) -> None:
-        if finished.stats.prefilled_tokens >= _MEASURE_MIN_TOKENS and finished.stats.prefill_tps:
-            self.measurements.observe(self._prefill_key(), finished.stats.prefill_tps)
+    def _learn_prefill_rate(self, stats: TurnStats) -> None:
+        if stats.prefilled_tokens >= _MEASURE_MIN_TOKENS and stats.prefill_tps:
+            self.measurements.observe(self._prefill_key(), stats.prefill_tps)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+
+from app.engine.kvscheme import GROUP_SIZES, PREFERENCE_BITS
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,10 @@ class KVSettings:
     quantized_kv_start: int = 0
 
     def __post_init__(self) -> None:
-        if self.bits not in (None, 2, 3, 4, 6, 8):
-            raise ValueError(f"KV bits must be one of 2, 3, 4, 6, 8 or None, not {self.bits}")
-        if self.group_size not in (32, 64, 128):
-            raise ValueError(f"KV group size must be 32, 64 or 128, not {self.group_size}")
+        if self.bits is not None and self.bits not in PREFERENCE_BITS:
+            raise ValueError(f"KV bits must be one of {PREFERENCE_BITS} or None, not {self.bits}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"KV group size must be one of {GROUP_SIZES}, not {self.group_size}")
 
     def describe(self) -> str:
         if self.bits is None:
@@ -50,7 +52,7 @@ class PromptProgress:
     total: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class TurnStats:
     prompt_tokens: int = 0  # tokens of the rendered conversation fed this turn
     reused_tokens: int = 0  # of which were already in the KV cache
@@ -64,7 +66,6 @@ class TurnStats:
     peak_memory_bytes: int = 0
     finish_reason: str = ""  # "stop", "length", "cancelled"
     compute: str = ""
-    extra: dict = field(default_factory=dict)
 
     @property
     def prefill_tps(self) -> float:

@@ -134,6 +134,11 @@ class TokenStore:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
 
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The 16-bit type it dequantizes from (its scales' type when quantized)."""
+        return self.buffers[0 if self.bits is None else 1].dtype
+
 
 class MixedKVCache:
     """A layer's KV cache stored per `KVScheme`, a drop-in for mlx-lm's KVCache and
@@ -281,6 +286,10 @@ class MixedKVCache:
         if sink is not None:
             x[..., : sink.shape[2], :] = _as(sink, dtype)
         return x
+
+    def dequantized(self) -> tuple[mx.array, mx.array]:
+        """(keys, values) as attention reads them, in their 16-bit type."""
+        return tuple(self._fetch(part, self.bulk[part].dtype) for part in (0, 1))
 
     def quantized_tokens(self, start: int, end: int) -> dict[str, mx.array]:
         """Tokens [start, end) of what is stored, as cache files hold them: every one

@@ -61,17 +61,17 @@ APP_SCHEMES = {
     "8-bit": KVScheme(8, 8, 64, sink=4, window=64),
     "4-bit": KVScheme(4, 4, 64, sink=4, window=128, rotate_keys=True),
 }
+# The bit widths the Memory preference offers, and the group sizes it can use.
+PREFERENCE_BITS = tuple(int(label.split("-")[0]) for label in APP_SCHEMES)
+GROUP_SIZES = (32, 64, 128)
 
 
 def scheme_for(bits: int | None, group_size: int = 64) -> KVScheme | None:
-    """The scheme the KV preference names: the app's 8-bit or 4-bit, other widths
-    stored the way the 4-bit is; None keeps the cache in the model's precision."""
+    """The scheme the KV preference names (the app's 8-bit or 4-bit); None keeps the
+    cache in the model's precision."""
     if bits is None:
         return None
-    chosen = APP_SCHEMES.get(f"{bits}-bit") or replace(
-        APP_SCHEMES["4-bit"], key_bits=bits, value_bits=bits
-    )
-    return replace(chosen, group_size=group_size)
+    return replace(APP_SCHEMES[f"{bits}-bit"], group_size=group_size)
 
 
 def usable_format(stored: str, wanted: KVScheme | None) -> bool:

@@ -1,0 +1,75 @@
+"""What names a saved cache: the model's fingerprint, the KV format of a live
+cache, and the content-addressed keys of its chunks."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from app.engine.kvquant import MixedKVCache
+
+SNAPSHOT = "snapshot"  # the format of a whole-cache snapshot (app.engine.snapshots)
+_MODEL_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Identifies weights, tokenizer and chat template of a model folder.
+
+    Config and tokenizer files are hashed whole; weight files by name, size
+    and modification time (hashing gigabytes at every start would be slow;
+    imported GGUF models also carry the GGUF's SHA-256 in config.json).
+    """
+    digest = hashlib.sha256()
+    for name in _MODEL_FILES:
+        path = model_dir / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        stat = path.stat()
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:32]
+
+
+def kv_format(cache: list) -> str | None:
+    """How a chunkable cache stores its tokens: "float32", "float16", "bfloat16" (the
+    model's precision) or our scheme's format ("k4v4g64s4h"); None when the layers
+    differ or cannot be chunked."""
+    formats = set()
+    for layer in cache:
+        if type(layer) is MixedKVCache and layer.max_size is None:
+            formats.add(layer.scheme.format)
+        elif type(layer) is KVCache and layer.keys is not None:
+            formats.add(str(layer.keys.dtype).split(".")[-1])
+        else:
+            return None
+    return formats.pop() if len(formats) == 1 else None
+
+
+def tokens_hash(tokens: list[int]) -> str:
+    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
+
+
+def chunk_keys(
+    fingerprint: str, fmt: str, tokens: list[int], size: int
+) -> list[tuple[str, int, int]]:
+    """(key, start, end) of each chunk; the key chains over the whole prefix."""
+    result = []
+    prefix = hashlib.sha256(f"{fingerprint}|{fmt}".encode()).hexdigest()
+    for start in range(0, len(tokens), size):
+        end = min(start + size, len(tokens))
+        prefix = hashlib.sha256((prefix + tokens_hash(tokens[start:end])).encode()).hexdigest()
+        result.append((prefix[:40], start, end))
+    return result
+
+
+def snapshot_key(fingerprint: str, tokens: list[int]) -> str:
+    return chunk_keys(fingerprint, SNAPSHOT, tokens, len(tokens))[0][0]

@@ -1,0 +1,213 @@
+"""How each kind of chunkable cache layer is written to and rebuilt from chunk
+files: one codec per cache class, and the manifest every chunk file carries.
+
+A codec names the tensors of a layer's tokens [start, end), says which tensors
+(with which shapes and dtypes) a chunk of a given format must hold, and builds
+the layer back from its chunks joined along the token axis. Every check of a
+chunk's contents is in `check_layer`, so nothing unchecked reaches mlx.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from app.engine.kvquant import MixedKVCache
+from app.engine.kvscheme import KVScheme, parse_format
+from app.engine.stored_arrays import to_numpy
+from sessions.cachefiles import CacheRejected
+
+_SIXTEEN_STORED = (mx.float16, mx.uint16)  # bfloat16 is stored as its raw 16 bits
+_FLOAT_STORED = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.uint16}
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What one attention layer caches per token: heads, and key and value widths
+    (they differ in MLA models)."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtypes: tuple[mx.Dtype, ...]
+
+
+def layer_shapes(model) -> list[LayerShape | None]:
+    """Per layer, its shape as the model really caches it, from one token fed into a
+    fresh cache (config fields differ between families; the model does not)."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    shapes = []
+    for layer in cache:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if type(layer) is KVCache and keys is not None:
+            shapes.append(LayerShape(keys.shape[1], keys.shape[3], values.shape[3]))
+        else:
+            shapes.append(None)
+    return shapes
+
+
+class PlainCodec:
+    """mlx-lm's `KVCache`, in the model's precision (the KV preference Off)."""
+
+    name = "KVCache"
+
+    def tensors(self, layer: KVCache, start: int, end: int) -> dict[str, mx.array]:
+        return {"k.0": layer.keys[..., start:end, :], "v.0": layer.values[..., start:end, :]}
+
+    def specs(self, shape: LayerShape, fmt: str, start: int, end: int) -> dict[str, TensorSpec]:
+        if fmt not in _FLOAT_STORED:
+            raise CacheRejected(f"a {self.name} layer in a {fmt} cache")
+        dtypes = (_FLOAT_STORED[fmt],)
+        n = end - start
+        return {
+            "k.0": TensorSpec((1, shape.heads, n, shape.key_dim), dtypes),
+            "v.0": TensorSpec((1, shape.heads, n, shape.value_dim), dtypes),
+        }
+
+    def build(self, named: dict[str, mx.array], fmt: str) -> KVCache:
+        layer = KVCache()
+        layer.keys, layer.values = named["k.0"], named["v.0"]
+        layer.offset = layer.keys.shape[2]
+        return layer
+
+
+class MixedCodec:
+    """The app's quantized `MixedKVCache`: every token quantized, plus the 16-bit
+    sink in the first chunk (see `MixedKVCache.quantized_tokens`)."""
+
+    name = "MixedKVCache"
+
+    def tensors(self, layer: MixedKVCache, start: int, end: int) -> dict[str, mx.array]:
+        return layer.quantized_tokens(start, end)
+
+    def specs(self, shape: LayerShape, fmt: str, start: int, end: int) -> dict[str, TensorSpec]:
+        scheme = scheme_of(fmt)
+        n = end - start
+        specs = {}
+        for part, bits, dim in (
+            ("k", scheme.key_bits, shape.key_dim),
+            ("v", scheme.value_bits, shape.value_dim),
+        ):
+            if dim % scheme.group_size or (bits and dim * bits % 32):
+                raise CacheRejected(f"group size {scheme.group_size} does not fit width {dim}")
+            if bits is None:
+                specs[f"{part}.0"] = TensorSpec((1, shape.heads, n, dim), _SIXTEEN_STORED)
+            else:
+                groups = dim // scheme.group_size
+                specs[f"{part}.0"] = TensorSpec((1, shape.heads, n, dim * bits // 32), (mx.uint32,))
+                specs[f"{part}.1"] = TensorSpec((1, shape.heads, n, groups), _SIXTEEN_STORED)
+                specs[f"{part}.2"] = TensorSpec((1, shape.heads, n, groups), _SIXTEEN_STORED)
+            if start == 0 and scheme.sink:
+                sink = min(scheme.sink, end)
+                specs[f"s{part}"] = TensorSpec((1, shape.heads, sink, dim), _SIXTEEN_STORED)
+        return specs
+
+    def build(self, named: dict[str, mx.array], fmt: str) -> MixedKVCache:
+        return MixedKVCache.from_quantized(scheme_of(fmt), named)
+
+
+CODECS = {codec.name: codec for codec in (PlainCodec(), MixedCodec())}
+
+
+def codec_for(layer) -> PlainCodec | MixedCodec | None:
+    codec = CODECS.get(type(layer).__name__)
+    if codec is None or getattr(layer, "max_size", None) is not None:
+        return None
+    return codec
+
+
+def scheme_of(fmt: str) -> KVScheme:
+    try:
+        return parse_format(fmt)
+    except ValueError as exc:
+        raise CacheRejected(f"unknown KV format {fmt!r}") from exc
+
+
+def chunk_tensors(cache: list, start: int, end: int) -> dict:
+    """Tokens [start, end) of every layer, named "<layer>.<tensor>", for a chunk file."""
+    tensors = {}
+    for i, layer in enumerate(cache):
+        for name, array in codec_for(layer).tensors(layer, start, end).items():
+            tensors[f"{i}.{name}"] = to_numpy(array)
+    return tensors
+
+
+def split_layers(tensors: dict, layers: int) -> list[dict]:
+    """A chunk's tensors per layer; refuses names that are not "<layer>.<tensor>"."""
+    per_layer: list[dict] = [{} for _ in range(layers)]
+    for full_name, array in tensors.items():
+        layer, _, name = full_name.partition(".")
+        if not layer.isdigit() or int(layer) >= layers or not name:
+            raise CacheRejected(f"unexpected tensor {full_name!r}")
+        per_layer[int(layer)][name] = array
+    return per_layer
+
+
+def check_layer(i: int, named: dict, specs: dict[str, TensorSpec], previous: dict | None) -> None:
+    """Layer `i` of a chunk holds exactly the tensors `specs` names, with their
+    shapes and dtypes, and the dtypes of the chunk before it."""
+    if set(named) != set(specs):
+        raise CacheRejected(f"layer {i} has the wrong tensors")
+    for name, array in named.items():
+        spec = specs[name]
+        if tuple(array.shape) != spec.shape:
+            raise CacheRejected(f"{i}.{name} has the wrong shape {tuple(array.shape)}")
+        if array.dtype not in spec.dtypes or (
+            previous and name in previous and previous[name].dtype != array.dtype
+        ):
+            raise CacheRejected(f"{i}.{name} has the wrong dtype {array.dtype}")
+
+
+@dataclass(frozen=True)
+class ChunkManifest:
+    """The metadata a chunk (or snapshot) file carries, and must match to be used."""
+
+    model: str
+    kv_format: str
+    key: str
+    token_start: int
+    token_end: int
+    tokens_hash: str
+    layers: int
+    classes: tuple[str, ...] = ()
+
+    def to_metadata(self) -> dict[str, str]:
+        metadata = self.expected()
+        if self.classes:
+            metadata["classes"] = json.dumps(list(self.classes))
+        return metadata
+
+    def expected(self) -> dict[str, str]:
+        """What a file's metadata must say, exactly, to be this chunk."""
+        return {
+            "model": self.model,
+            "kv_format": self.kv_format,
+            "key": self.key,
+            "token_start": str(self.token_start),
+            "token_end": str(self.token_end),
+            "tokens_hash": self.tokens_hash,
+            "layers": str(self.layers),
+        }
+
+
+def read_classes(metadata: dict[str, str], layers: int) -> list[str]:
+    """The cache class of every layer a chunk names; only codecs' classes pass."""
+    try:
+        classes = json.loads(metadata.get("classes", ""))
+    except ValueError as exc:
+        raise CacheRejected("unreadable layer classes") from exc
+    if not isinstance(classes, list) or len(classes) != layers:
+        raise CacheRejected("layer count does not match the model")
+    for name in classes:
+        if name not in CODECS:
+            raise CacheRejected(f"unknown cache class {name!r}")
+    return classes

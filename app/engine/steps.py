@@ -1,0 +1,96 @@
+"""The steps of one turn, as plain functions (mlx-lm keeps `generate_step` apart
+from `stream_generate` the same way): which cached tokens a prompt can reuse,
+prefill, and decode. `ChatSession` composes them; the benches call them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from app.engine.generation import SamplingSettings
+
+# Tokens per prefill step: large enough for fast matmuls, small enough that
+# progress and Stop stay responsive.
+PREFILL_STEP = 512
+# The repetition penalty looks at this many recent tokens (mlx-lm's default is 20).
+PENALTY_WINDOW = 64
+
+Quantize = Callable[[list], None]
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many of the `cached` tokens a turn on `prompt` keeps: their common
+    prefix, less at least one prompt token, which must be fed for its logits
+    to start the reply. The one rule, for memory and for disk."""
+    return max(0, min(common_prefix_length(cached, prompt), len(prompt) - 1))
+
+
+def prefill(
+    model, cache: list, tokens: Sequence[int], quantize: Quantize, step: int | None = None
+) -> Iterator[int]:
+    """Feed `tokens` into `cache` in steps; yields how many are in after each step.
+    Closing the generator between steps leaves the cache holding whole steps."""
+    step = step or PREFILL_STEP
+    done = 0
+    for start in range(0, len(tokens), step):
+        chunk = tokens[start : start + step]
+        model(mx.array(chunk)[None], cache=cache)
+        quantize(cache)
+        mx.eval([c.state for c in cache])
+        done += len(chunk)
+        yield done
+
+
+def make_next_token(
+    model, cache: list, sampling: SamplingSettings, quantize: Quantize, history: list[int]
+) -> Callable[[mx.array], mx.array]:
+    """One decode step: feed a token (or the last prompt token) and sample the next.
+    `history` is read for the repetition penalty (the caller keeps it current)."""
+    sampler = make_sampler(sampling.temperature, sampling.top_p, sampling.min_p)
+    penalty = sampling.repetition_penalty if sampling.repetition_penalty != 1.0 else None
+    processors = make_logits_processors(
+        repetition_penalty=penalty, repetition_context_size=PENALTY_WINDOW
+    )
+
+    def next_token(inputs: mx.array) -> mx.array:
+        logits = model(inputs[None], cache=cache)[:, -1, :]
+        quantize(cache)
+        if processors:
+            recent = mx.array(history[-PENALTY_WINDOW:])
+            for process in processors:
+                logits = process(recent, logits)
+        return sampler(logits - mx.logsumexp(logits, keepdims=True))
+
+    return next_token
+
+
+def decode(next_token: Callable[[mx.array], mx.array], last_prompt_token: int) -> Iterator[int]:
+    """Generated token ids, one at a time, for as long as the caller takes them.
+
+    Each token is fed into the cache (computing the one after it, asynchronously)
+    before it is handed out, so wherever the caller stops, the cache holds every
+    token it was given.
+    """
+    y = next_token(mx.array([last_prompt_token]))
+    mx.async_eval(y)
+    while True:
+        next_y = next_token(y)
+        mx.async_eval(next_y)
+        token = y.item()
+        try:
+            yield token
+        except GeneratorExit:
+            mx.eval(next_y)  # the caller is done: let the cache settle
+            raise
+        y = next_y
