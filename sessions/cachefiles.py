@@ -1,4 +1,4 @@
-"""The index of KV-cache chunk files in SQLite (DESIGN.md §4).
+"""The index of KV-cache chunk files in SQLite (docs/architecture.md §5).
 
 The files themselves (contained URLs, atomic writes, checked reads) are
 `sessions.chunkio`; their rows are checked in `sessions.cacherows`. This module
@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sqlite3
 import time
 from collections.abc import Iterator, Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -267,7 +269,9 @@ class CacheIndex:
         """Forget every conversation's cache and delete every chunk file."""
         with self.db.conn:
             self.db["conversation_caches"].delete_where()
-        self.collect_garbage()
+        for key, _row in list(self.chunk_rows()):
+            self.delete_chunk(key)  # row, then file: never a row without its file
+        self.collect_garbage()  # files without rows, once old enough to be nobody's save
 
     def release(self, keys: set[str]) -> None:
         """Delete those of `keys` that no conversation uses any more."""
@@ -330,7 +334,8 @@ class CacheIndex:
         referenced = self.referenced_keys()
         removed["unreferenced"] = 0
         for key, row in list(self.chunk_rows()):
-            if row and key not in referenced:
+            # A chunk a save just added is referenced once the save ends: give it time.
+            if row and key not in referenced and _age_s(row["created"]) > orphan_age:
                 self.delete_chunk(key)
                 removed["unreferenced"] += 1
         return removed
@@ -364,6 +369,17 @@ class CacheIndex:
             except CacheRejected as exc:
                 bad.append({"key": row["key"], "url": row["url"], "reason": exc.reason})
         return bad
+
+
+def _age_s(stamp: str) -> float:
+    """Seconds since `stamp` (as `now()` writes it); a damaged one counts as old."""
+    try:
+        then = datetime.fromisoformat(stamp)
+    except (TypeError, ValueError):
+        return math.inf
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=timezone.utc)
+    return (datetime.now(timezone.utc) - then).total_seconds()
 
 
 def _valid_entry(row: dict) -> bool:

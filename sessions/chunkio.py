@@ -1,4 +1,4 @@
-"""Cache files on disk: contained URLs, atomic writes, checked reads (DESIGN.md §4).
+"""Cache files on disk: contained URLs, atomic writes, checked reads (docs/architecture.md §5).
 
 This module knows files and bytes, not models: tensors arrive and leave as
 numpy arrays (or the engine's own arrays) with string metadata.

@@ -104,10 +104,13 @@ def m003_measurements(db: sqlite_utils.Database) -> None:
 
 
 def open_db(
-    path: Path | None = None, busy_timeout_s: float = BUSY_TIMEOUT_S
+    path: Path | None = None, busy_timeout_s: float = BUSY_TIMEOUT_S, read_only: bool = False
 ) -> sqlite_utils.Database:
     """Open (creating or upgrading) the database; refuse one from a newer Reprise, and
-    one that cannot be used, with a `UserError` that says what to do."""
+    one that cannot be used, with a `UserError` that says what to do.
+
+    `read_only` is the window's connection: once the schema is current, SQLite
+    refuses every write on it (`query_only`), so the window can only read."""
     if path is None:
         with storage_errors():
             path = paths.data_dir() / DB_NAME
@@ -116,7 +119,10 @@ def open_db(
     conn = None
     try:
         conn = sqlite3.connect(str(path), timeout=busy_timeout_s)
-        return _prepare(sqlite_utils.Database(conn), path)
+        db = _prepare(sqlite_utils.Database(conn), path)
+        if read_only:
+            db.execute("PRAGMA query_only=ON")
+        return db
     except (sqlite3.Error, OSError) as exc:
         if conn is not None:
             conn.close()

@@ -34,3 +34,12 @@ def cache_dir() -> Path:
 def models_dir() -> Path:
     """Holds one folder per model, each loadable by mlx-lm."""
     return _dir("REPRISE_MODELS_DIR", str(Path(platformdirs.user_data_dir(APP_NAME)) / "models"))
+
+
+def log_dir() -> Path:
+    """Holds the log file."""
+    return _dir("REPRISE_LOG_DIR", platformdirs.user_log_dir(APP_NAME))
+
+
+def log_file() -> Path:
+    return log_dir() / "reprise.log"

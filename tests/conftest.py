@@ -26,7 +26,7 @@ DEFAULT_STARTER_GGUF = (
 @pytest.fixture(autouse=True)
 def app_dirs(tmp_path, monkeypatch) -> dict[str, Path]:
     """Point every Reprise folder at a temporary one."""
-    dirs = {name: tmp_path / name for name in ("data", "cache", "models")}
+    dirs = {name: tmp_path / name for name in ("data", "cache", "models", "log")}
     for name, path in dirs.items():
         monkeypatch.setenv(f"REPRISE_{name.upper()}_DIR", str(path))
     return dirs

@@ -11,7 +11,6 @@ import sqlite_utils
 from sessions import paths
 from sessions.conversations import ConversationStore, NotFound, ReplyWriter
 from sessions.db import NewerDatabase, migrations, open_db
-from sessions.settings import DEFAULTS, Settings
 
 
 @pytest.fixture
@@ -140,16 +139,3 @@ def test_reply_writer_commits_at_intervals_and_at_the_end(store, app_dirs):
     writer.finish("complete", {"generated_tokens": 2}, "Hello")
     m = store.message(reply.id)
     assert (m.content, m.state, m.stats) == ("Hello", "complete", {"generated_tokens": 2})
-
-
-def test_settings_are_typed_with_defaults():
-    settings = Settings(open_db())
-    assert settings.get("temperature") == DEFAULTS["temperature"]
-    settings.set("temperature", "0.2")
-    settings.set("kv_bits", 4)
-    assert settings.get("temperature") == 0.2
-    assert Settings(open_db()).all()["kv_bits"] == 4
-    with pytest.raises(Exception, match="must be a float"):
-        settings.set("temperature", "warm")
-    with pytest.raises(Exception, match="Unknown setting"):
-        settings.set("colour", "blue")
