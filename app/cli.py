@@ -12,22 +12,28 @@ from app import __version__
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
+    """Flags left out keep the saved preferences (the window's), so the terminal
+    answers as the window would; a flag given overrides its preference."""
+    from app.engine.kvscheme import GROUP_SIZES, PREFERENCE_BITS  # plain data, no mlx
+
     parser.add_argument("--model", help="model name in the library, or a model folder")
     parser.add_argument("--system", help="system prompt")
-    parser.add_argument("--temp", type=float, default=0.7, help="temperature (0 = greedy)")
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--temp", type=float, help="temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--min-p", type=float)
+    parser.add_argument("--repetition-penalty", type=float)
+    parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument(
-        "--kv-bits", type=int, choices=[2, 3, 4, 6, 8], help="quantize the KV cache"
+        "--kv-bits", type=int, choices=PREFERENCE_BITS, help="quantize the KV cache"
     )
-    parser.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
+    parser.add_argument(
+        "--no-kv-quantization", action="store_true", help="keep the KV cache in 16 bits"
+    )
+    parser.add_argument("--kv-group-size", type=int, choices=GROUP_SIZES)
     parser.add_argument(
         "--quantized-kv-start",
         type=int,
-        default=0,
         help="quantize the KV cache once it holds this many tokens",
     )
     parser.add_argument(
@@ -122,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from app.engine.errors import UserError
+    from app.logs import setup_logging
+
+    setup_logging()
 
     try:
         if args.command is None:

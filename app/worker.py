@@ -1,58 +1,45 @@
-"""The one worker that owns the engine, on its own QThread (DESIGN.md §2).
+"""The one worker: it owns the `ChatService` (and so every write), on its own QThread.
 
-Every MLX call happens on the worker's thread; the GUI talks to it only
-through queued signals and slots, and it answers with plain data, one signal
-per event. Stop is a flag the generation loop checks between tokens.
+Every MLX call and every database write happens on the worker's thread, one
+after another; the window reads on its own read-only connection and asks for
+changes through queued signals. The worker answers with the service's own
+plain events, one signal per kind. Stop is a flag the generation loop checks
+between tokens.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.engine import loading, models
-from app.engine.conversation import CacheSaved, ConversationEngine, RestoreInfo, TurnOptions
+from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
 from app.engine.errors import UserError
-from app.engine.generation import (
-    KVSettings,
-    PromptProgress,
-    SamplingSettings,
-    TextDelta,
-    TurnFinished,
-)
+from app.engine.generation import PromptProgress, TextDelta
+from app.service.chat import ChatService
+from app.service.preferences import Preferences
 from sessions import paths
 from sessions.db import open_db
-from sessions.settings import Settings
 
+log = logging.getLogger(__name__)
 
-def options_from_settings(values: dict) -> TurnOptions:
-    return TurnOptions(
-        system=values.get("system_prompt") or None,
-        sampling=SamplingSettings(
-            temperature=values["temperature"],
-            top_p=values["top_p"],
-            min_p=values["min_p"],
-            repetition_penalty=values["repetition_penalty"],
-            max_tokens=values["max_tokens"],
-        ),
-        kv=KVSettings(values["kv_bits"], values["kv_group_size"], values["quantized_kv_start"]),
-        max_context=values["max_context"] or None,
-    )
+NEW_CONVERSATION = 0  # `send` to this id starts a conversation
 
 
 class EngineWorker(QObject):
     model_loaded = Signal(str, str)  # name, compute path
+    conversation_started = Signal(int)  # a `send` to NEW_CONVERSATION made this one
+    restored = Signal(object)  # RestoreInfo: where this turn's cache came from
     text_delta = Signal(str)
     prompt_progress = Signal(int, int)  # done, total
-    cache_restored = Signal(str, int, float)  # source, tokens, seconds
-    finished = Signal(dict)  # TurnStats as a dict, with extras
-    cancelled = Signal()
+    finished = Signal(object)  # ReplyFinished, also when stopped
+    saved = Signal(object)  # CacheSaved
+    changed = Signal(int)  # a conversation (0: several) was changed; read it again
+    preferences_saved = Signal(object)  # Preferences
     failed = Signal(str)  # a message for the user
-    saved = Signal(dict)  # chunks and bytes written, or an error
     busy_changed = Signal(bool)
     import_progress = Signal(str, int, int)  # stage, done, total
     download_progress = Signal(int, int, str)  # bytes done, bytes in all, file
@@ -61,34 +48,44 @@ class EngineWorker(QObject):
     def __init__(self) -> None:
         super().__init__()
         self._stop = threading.Event()
-        self._engine: ConversationEngine | None = None
-        self._db = None
+        self._service: ChatService | None = None
+
+    def service(self) -> ChatService:
+        """Made on first use, so its connection belongs to this thread."""
+        if self._service is None:
+            self._service = ChatService(open_db())
+            self._service.repair()
+        return self._service
 
     # Called directly from the GUI thread: it only sets a flag.
     def stop(self) -> None:
         self._stop.set()
 
+    def _attempt(self, what: str, task: Callable[[], object]) -> bool:
+        """Run `task`; a user error is reported as it is, a bug with its log entry."""
+        try:
+            task()
+            return True
+        except UserError as exc:
+            self.failed.emit(str(exc))
+        except Exception:
+            log.exception("%s failed", what)
+            self.failed.emit(
+                f"{what} failed because of a bug; the log has the details:\n{paths.log_file()}"
+            )
+        return False
+
+    # -- the model ----------------------------------------------------------------
+
     @Slot(str)
     def load_model(self, name: str) -> None:
         """Not "busy": a message sent meanwhile is queued and answered once loaded."""
-        try:
-            if self._db is None:
-                self._db = open_db()  # this thread's own connection
-            settings = Settings(self._db)
-            path = models.resolve(name or settings.get("model"), paths.models_dir())
-            if self._engine is None or self._engine.loaded.path != path:
-                self._engine = ConversationEngine(
-                    self._db,
-                    loading.load(path),
-                    chunk_tokens=settings.get("cache_chunk_tokens"),
-                    budget_bytes=settings.get("cache_budget_bytes"),
-                )
-            loaded = self._engine.loaded
-            self.model_loaded.emit(loaded.name, loaded.compute.describe())
-        except UserError as exc:
-            self.failed.emit(str(exc))
-        except Exception:  # a bug: show it rather than die silently
-            self.failed.emit(f"Loading the model failed:\n{traceback.format_exc()}")
+
+        def load() -> None:
+            engine = self.service().load_model(name or None)
+            self.model_loaded.emit(engine.loaded.name, engine.loaded.compute.describe())
+
+        self._attempt("Loading the model", load)
 
     @Slot(str, str)
     def import_gguf(self, path: str, name: str) -> None:
@@ -124,64 +121,91 @@ class EngineWorker(QObject):
     def _add_model(self, task: Callable[[], Path]) -> None:
         """Run an import or download; `model_added` names the new model, or is empty."""
         self.busy_changed.emit(True)
-        added = ""
+        added: list[str] = []
         try:
-            added = task().name
-        except UserError as exc:
-            self.failed.emit(str(exc))
-        except Exception:
-            self.failed.emit(f"Adding the model failed:\n{traceback.format_exc()}")
+            self._attempt("Adding the model", lambda: added.append(task().name))
         finally:
-            self.model_added.emit(added)
+            self.model_added.emit(added[0] if added else "")
             self.busy_changed.emit(False)
+
+    # -- turns -------------------------------------------------------------------------
 
     @Slot(int, str)
     def send(self, conversation_id: int, text: str) -> None:
-        self._run(lambda engine, options, stop: engine.send(conversation_id, text, options, stop))
+        def start() -> Iterator:
+            service = self.service()
+            cid = conversation_id
+            if cid == NEW_CONVERSATION:
+                cid = service.create_conversation(service.load_model().loaded.name).id
+                self.conversation_started.emit(cid)
+            return service.send(cid, text, should_stop=self._stop.is_set)
+
+        self._run(start)
 
     @Slot(int)
     def regenerate(self, conversation_id: int) -> None:
-        self._run(lambda engine, options, stop: engine.regenerate(conversation_id, options, stop))
+        self._run(lambda: self.service().regenerate(conversation_id, should_stop=self._stop.is_set))
 
     @Slot(int, str)
     def edit(self, message_id: int, text: str) -> None:
-        self._run(lambda engine, options, stop: engine.edit(message_id, text, options, stop))
+        self._run(lambda: self.service().edit(message_id, text, should_stop=self._stop.is_set))
 
-    def _run(self, start) -> None:
-        if self._engine is None:
-            self.failed.emit("No model is loaded yet.")
-            return
+    def _run(self, start: Callable[[], Iterator]) -> None:
         self._stop.clear()
         self.busy_changed.emit(True)
         try:
-            options = options_from_settings(Settings(self._db).all())
-            for event in start(self._engine, options, self._stop.is_set):
-                if isinstance(event, RestoreInfo):
-                    self.cache_restored.emit(event.source, event.tokens, event.seconds)
-                elif isinstance(event, TextDelta):
-                    self.text_delta.emit(event.text)
-                elif isinstance(event, PromptProgress):
-                    self.prompt_progress.emit(event.done, event.total)
-                elif isinstance(event, TurnFinished):
-                    stats = event.stats.to_dict()
-                    if event.stats.finish_reason == "cancelled":
-                        self.cancelled.emit()
-                    self.finished.emit(stats)
-                elif isinstance(event, CacheSaved):
-                    self.saved.emit(
-                        {
-                            "bytes": event.report.bytes_written,
-                            "chunks": event.report.chunks_written,
-                            "seconds": event.report.seconds,
-                            "error": event.error,
-                        }
-                    )
-        except UserError as exc:
-            self.failed.emit(str(exc))
-        except Exception:
-            self.failed.emit(f"Something went wrong:\n{traceback.format_exc()}")
+            self._attempt("The reply", lambda: self._forward(start()))
         finally:
             self.busy_changed.emit(False)
+
+    def _forward(self, events: Iterator) -> None:
+        for event in events:
+            if isinstance(event, TextDelta):
+                self.text_delta.emit(event.text)
+            elif isinstance(event, PromptProgress):
+                self.prompt_progress.emit(event.done, event.total)
+            elif isinstance(event, RestoreInfo):
+                self.restored.emit(event)
+            elif isinstance(event, ReplyFinished):
+                self.finished.emit(event)
+            elif isinstance(event, CacheSaved):
+                self.saved.emit(event)
+
+    # -- changes the window asks for ---------------------------------------------------
+
+    @Slot(int, str)
+    def rename(self, conversation_id: int, title: str) -> None:
+        self._change(conversation_id, lambda s: s.rename(conversation_id, title))
+
+    @Slot(int)
+    def delete(self, conversation_id: int) -> None:
+        self._change(conversation_id, lambda s: s.delete(conversation_id))
+
+    @Slot(int, int)
+    def select_branch(self, conversation_id: int, message_id: int) -> None:
+        self._change(conversation_id, lambda s: s.select_branch(conversation_id, message_id))
+
+    @Slot()
+    def clear_caches(self) -> None:
+        self._change(0, lambda s: s.clear_caches())
+
+    @Slot(int, str, str)
+    def export_text(self, conversation_id: int, fmt: str, path: str) -> None:
+        self._attempt(
+            "Export", lambda: self.service().export_text(conversation_id, fmt, Path(path))
+        )
+
+    @Slot(object)
+    def save_preferences(self, prefs: Preferences) -> None:
+        def save() -> None:
+            self.service().save_preferences(prefs)
+            self.preferences_saved.emit(prefs)
+
+        self._attempt("Saving the preferences", save)
+
+    def _change(self, conversation_id: int, task: Callable[[ChatService], object]) -> None:
+        if self._attempt("The change", lambda: task(self.service())):
+            self.changed.emit(conversation_id)
 
 
 class WorkerThread:

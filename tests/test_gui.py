@@ -4,15 +4,29 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
+from dataclasses import replace
 
 import pytest
 from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QInputDialog
+from PySide6.QtWidgets import (
+    QInputDialog,
+    QLabel,
+    QListWidget,
+    QMessageBox,
+    QProgressBar,
+    QTextEdit,
+    QWidget,
+)
 
+from app.service.preferences import Preferences
+from app.ui.chat_view import ChatView
 from app.ui.main_window import MainWindow
 from app.ui.preferences import KV_FIGURES, PreferencesDialog, kv_tradeoffs
+from app.ui.turn_status import TurnStatus
 from sessions import paths
+from sessions.db import open_db
 from sessions.settings import Settings
 
 READY_MS = 120_000
@@ -40,9 +54,13 @@ def open_window(qtbot, library):
         window.close()
 
 
+def prefer(window, **changes):
+    """Change preferences the way the window does: a request the worker saves."""
+    window.save_preferences_requested.emit(replace(window.preferences(), **changes))
+
+
 def send(qtbot, window, text, greedy_tokens=40):
-    Settings(window.db).set("temperature", 0.0)
-    Settings(window.db).set("max_tokens", greedy_tokens)
+    prefer(window, temperature=0.0, max_tokens=greedy_tokens)
     window.composer.edit.setPlainText(text)
     window.composer.edit.submitted.emit()  # what Enter does
     wait_reply(qtbot, window)
@@ -50,7 +68,7 @@ def send(qtbot, window, text, greedy_tokens=40):
 
 def start_long_reply(qtbot, window):
     """Ask for a long story and wait until it is streaming."""
-    Settings(window.db).set("max_tokens", 2000)
+    prefer(window, max_tokens=2000)
     window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
     window.composer.edit.submitted.emit()
     qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
@@ -74,7 +92,7 @@ def test_send_streams_a_reply_and_stores_it(qtbot, open_window):
     roles = [m.role for m in window.chat.messages]
     assert roles == ["user", "assistant"]
     assert window.sidebar.list.count() == 1
-    assert "tok/s" in window.stats_text.text()
+    assert "tok/s" in window.status.stats.text()
 
 
 def test_stop_ends_the_reply_early(qtbot, open_window):
@@ -93,13 +111,13 @@ def test_regenerate_and_edit_make_branches(qtbot, open_window, monkeypatch):
     window = open_window()
     send(qtbot, window, "Name a colour.")
     first_reply = window.chat.messages[-1].id
-    Settings(window.db).set("temperature", 1.0)
+    prefer(window, temperature=1.0)
     window.on_chat_action("regenerate", 0)
     wait_reply(qtbot, window)
     assert window.chat.messages[-1].branch == (2, 2)
     assert "2/2" in window.chat.toPlainText()
     window.on_chat_action("branch-prev", window.chat.messages[-1].id)
-    assert window.chat.messages[-1].id == first_reply
+    qtbot.waitUntil(lambda: window.chat.messages[-1].id == first_reply, timeout=5_000)
 
     user = window.chat.messages[0].id
     # The user types the new text into the Edit dialog.
@@ -120,7 +138,7 @@ def test_reopening_after_a_restart_resumes_from_disk(qtbot, open_window):
     reopened.sidebar.list.setCurrentRow(0)
     assert reopened.conversation_id == conversation
     send(qtbot, reopened, "And the sun?")
-    assert reopened.status_text.text().startswith("Resumed from saved cache:")
+    assert reopened.status.message.text().startswith("Resumed from saved cache:")
 
 
 def test_search_filters_the_conversation_list(qtbot, open_window):
@@ -136,24 +154,26 @@ def test_search_filters_the_conversation_list(qtbot, open_window):
     assert window.sidebar.list.count() == 2
 
 
-def test_preferences_persist(qtbot, library):
-    from sessions.db import open_db
-
-    settings = Settings(open_db())
-    dialog = PreferencesDialog(settings, 0)
+def test_preferences_persist(qtbot, open_window):
+    window = open_window()
+    dialog = PreferencesDialog(window.preferences(), 0)
     qtbot.addWidget(dialog)
     dialog.temperature.setValue(0.3)
     dialog.kv_bits.setCurrentIndex(1)  # 8-bit
     dialog.max_tokens.setValue(333)
     dialog.max_context.setValue(4096)
     dialog.accept()
-    again = Settings(open_db())
-    assert (again.get("temperature"), again.get("kv_bits"), again.get("max_tokens")) == (
+    saved = []
+    window.engine.worker.preferences_saved.connect(saved.append)
+    window.save_preferences_requested.emit(dialog.chosen)
+    qtbot.waitUntil(lambda: bool(saved), timeout=5_000)
+    again = Preferences.load(Settings(open_db()))  # as the next start reads them
+    assert (again.temperature, again.kv_bits, again.max_tokens, again.max_context) == (
         0.3,
         8,
         333,
+        4096,
     )
-    assert again.get("max_context") == 4096
     reopened = PreferencesDialog(again, 0)
     qtbot.addWidget(reopened)
     assert reopened.kv_bits.currentText() == "8-bit"
@@ -161,14 +181,21 @@ def test_preferences_persist(qtbot, library):
     assert "cannot be used" in reopened.kv_warning.text()
 
 
+def test_the_window_cannot_write_the_database(qtbot, open_window):
+    """Its connection is read-only: every change goes through the worker."""
+    from sessions.errors import ReadOnlyStorage
+
+    window = open_window()
+    with pytest.raises(ReadOnlyStorage, match="cannot be written"):
+        window.store.create("any model")
+
+
 def test_the_kv_choices_show_the_measured_trade_offs(qtbot, library):
     """The lines come from the benchmark's figures shipped with the app."""
-    from sessions.db import open_db
-
     figures = json.loads(KV_FIGURES.read_text())
     four = next(r for r in figures["rows"] if r["mode"] == figures["app_modes"]["4-bit"])
     sixteen = next(r for r in figures["rows"] if r["mode"] == "16-bit")
-    dialog = PreferencesDialog(Settings(open_db()), 0)
+    dialog = PreferencesDialog(Preferences(), 0)
     qtbot.addWidget(dialog)
     dialog.kv_bits.setCurrentIndex(2)
     line = dialog.kv_explanation.text()
@@ -219,8 +246,74 @@ def test_a_slow_start_shows_a_busy_bar_until_text_arrives(qtbot, open_window):
     window = open_window()
     window.on_busy(True)
     window._start_turn()
-    qtbot.waitUntil(lambda: window.progress.isVisible(), timeout=5_000)  # after half a second
-    assert window.progress.format() == "Preparing…" and window.progress.maximum() == 0
-    window.on_first_text("Hello")
-    assert not window.progress.isVisible()
+    progress = window.status.progress
+    qtbot.waitUntil(lambda: progress.isVisible(), timeout=5_000)  # after half a second
+    assert progress.format() == "Preparing…" and progress.maximum() == 0
+    window.status.on_first_text("Hello")
+    assert not progress.isVisible()
     window.on_busy(False)
+
+
+HANDLERS = {  # every handler of a worker signal, by the class that has it
+    MainWindow: {
+        "on_model_loaded",
+        "on_conversation_started",
+        "on_restored",
+        "on_finished",
+        "on_saved",
+        "on_changed",
+        "on_failed",
+        "on_busy",
+    },
+    ChatView: {"add_text"},
+    TurnStatus: {"on_first_text", "on_prompt_progress"},
+}
+# What the handlers change on screen, patched to note the thread that changes it.
+WIDGET_CHANGES = [
+    (QLabel, "setText"),
+    (QTextEdit, "setHtml"),
+    (QListWidget, "addItem"),
+    (QProgressBar, "setRange"),
+    (QProgressBar, "setValue"),
+    (QWidget, "setVisible"),
+    (QWidget, "show"),
+    (QWidget, "hide"),
+]
+
+
+def slot_names(obj) -> set[str]:
+    meta = obj.metaObject()
+    return {bytes(meta.method(i).name()).decode() for i in range(meta.methodCount())}
+
+
+def test_every_worker_signal_is_handled_on_the_gui_thread(qtbot, open_window, monkeypatch):
+    """Each handler is a slot of a GUI object, so Qt queues each call to the GUI
+    thread, whatever thread emits: no widget is ever changed from the worker's."""
+    window = open_window()
+    for cls, names in HANDLERS.items():
+        obj = next(o for o in (window, window.chat, window.status) if type(o) is cls)
+        assert names <= slot_names(obj), names - slot_names(obj)
+
+    threads: dict[str, set[int]] = {}
+
+    def noting(cls, name):
+        original = getattr(cls, name)
+
+        def change(self, *args):
+            threads.setdefault(f"{cls.__name__}.{name}", set()).add(threading.get_ident())
+            return original(self, *args)
+
+        return change
+
+    for cls, name in WIDGET_CHANGES:
+        monkeypatch.setattr(cls, name, noting(cls, name))
+    send(qtbot, window, "Hello!", greedy_tokens=8)
+    window.rename_requested.emit(window.conversation_id, "Greetings")
+    qtbot.waitUntil(
+        lambda: window.sidebar.list.item(0).text().startswith("Greetings"), timeout=5_000
+    )
+    window.edit_requested.emit(10_000, "no such message")  # fails: the user is told
+    monkeypatch.setattr(QMessageBox, "warning", lambda *args: None)
+    qtbot.waitUntil(lambda: "No message" in window.status.message.text(), timeout=5_000)
+    assert {"QLabel.setText", "QTextEdit.setHtml", "QListWidget.addItem"} <= set(threads)
+    assert set().union(*threads.values()) == {threading.main_thread().ident}

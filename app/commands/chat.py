@@ -16,15 +16,15 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
-from app.engine import loading, models
 from app.engine.chat import ChatSession
-from app.engine.conversation import CacheSaved, ConversationEngine, TurnOptions
-from app.engine.generation import KVSettings, SamplingSettings, TextDelta, TurnFinished
-from sessions import paths
-from sessions.conversations import ConversationStore, NotFound
+from app.engine.conversation import CacheSaved, ReplyFinished
+from app.engine.generation import TextDelta, TurnFinished
+from app.service.chat import ChatService
+from app.service.preferences import Preferences
+from sessions.conversations import NotFound
 from sessions.db import open_db
-from sessions.settings import Settings
 
 Turn = Callable[[str, Callable[[], bool]], Iterator]
 
@@ -52,30 +52,33 @@ def ctrl_c_stops(flag: StopFlag):
         signal.signal(signal.SIGINT, previous)
 
 
-def options_from_args(args: argparse.Namespace) -> TurnOptions:
-    return TurnOptions(
-        system=args.system,
-        sampling=SamplingSettings(
-            temperature=args.temp,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-        ),
-        kv=KVSettings(args.kv_bits, args.kv_group_size, args.quantized_kv_start),
+def preferences_from_args(saved: Preferences, args: argparse.Namespace) -> Preferences:
+    """The saved preferences, with each flag that was given in place of its value."""
+    prefs = saved.with_overrides(
+        model=args.model,
+        system_prompt=args.system,
+        temperature=args.temp,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
         max_context=args.max_context,
     )
+    return replace(prefs, kv_bits=None) if args.no_kv_quantization else prefs
 
 
 def print_turn(events: Iterator, as_json: bool, model: str) -> None:
-    finished: TurnFinished | None = None
+    finished: ReplyFinished | TurnFinished | None = None
     saved: CacheSaved | None = None
     for event in events:
         if isinstance(event, TextDelta) and not as_json:
             sys.stdout.write(event.text)
             sys.stdout.flush()
-        elif isinstance(event, TurnFinished):
+        elif isinstance(event, ReplyFinished | TurnFinished):
             finished = event
             if not as_json:
                 stopped = " [stopped]" if event.stats.finish_reason == "cancelled" else ""
@@ -85,9 +88,8 @@ def print_turn(events: Iterator, as_json: bool, model: str) -> None:
     if finished is None:
         return
     if as_json:
-        stats = finished.stats.to_dict()
-        extra = stats.pop("extra")
-        record = {"reply": finished.text, "model": model, **extra, **stats}
+        stats = finished.to_dict() if isinstance(finished, ReplyFinished) else {}
+        record = {"reply": finished.text, "model": model, **finished.stats.to_dict(), **stats}
         if saved is not None:
             record["cache_bytes_written"] = saved.report.bytes_written
             record["cache_chunks_written"] = saved.report.chunks_written
@@ -98,36 +100,14 @@ def print_turn(events: Iterator, as_json: bool, model: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    options = options_from_args(args)
+    service = ChatService(open_db())
+    prefs = preferences_from_args(service.preferences(), args)
     if args.conversation is None:
-        path = models.resolve(args.model, paths.models_dir())
-        session = ChatSession(loading.load(path))
-        messages: list[dict] = []
-
-        def turn(text: str, should_stop: Callable[[], bool]) -> Iterator:
-            messages.append({"role": "user", "content": text})
-            for event in session.reply(
-                messages,
-                system=options.system,
-                sampling=options.sampling,
-                kv=options.kv,
-                should_stop=should_stop,
-                max_context=options.max_context,
-            ):
-                if isinstance(event, TurnFinished):
-                    messages.append({"role": "assistant", "content": event.text})
-                yield event
-
-        return loop(turn, args.message, args.json, session.loaded.name)
-
-    db = open_db()
-    settings = Settings(db)
-    engine_for = _conversation_engine(db, settings)
+        return _in_memory(service, prefs, args)
+    service.repair()
     if args.conversation == "new":
-        engine = engine_for(args.model)
-        conversation = engine.store.create(
-            engine.loaded.name, args.system, {"sampling": vars(options.sampling)}
-        )
+        engine = service.load_model(prefs.model)
+        conversation = service.create_conversation(engine.loaded.name, args.system)
     else:
         try:
             conversation_id = int(args.conversation)
@@ -135,28 +115,38 @@ def run(args: argparse.Namespace) -> int:
             raise NotFound(
                 f"--conversation takes 'new' or a number, not {args.conversation!r}"
             ) from None
-        conversation = ConversationStore(db).get(conversation_id)
-        engine = engine_for(args.model or conversation.model)
+        conversation = service.store.get(conversation_id)
+        engine = service.load_model(args.model or conversation.model)
     if not args.json:
         print(f"Conversation {conversation.id}", file=sys.stderr)
 
     def stored_turn(text: str, should_stop: Callable[[], bool]) -> Iterator:
-        return engine.send(conversation.id, text, options, should_stop)
+        return service.send(conversation.id, text, prefs, should_stop)
 
     return loop(stored_turn, args.message, args.json, engine.loaded.name)
 
 
-def _conversation_engine(db, settings: Settings) -> Callable[[str | None], ConversationEngine]:
-    def make(model: str | None) -> ConversationEngine:
-        path = models.resolve(model or settings.get("model"), paths.models_dir())
-        return ConversationEngine(
-            db,
-            loading.load(path),
-            chunk_tokens=settings.get("cache_chunk_tokens"),
-            budget_bytes=settings.get("cache_budget_bytes"),
-        )
+def _in_memory(service: ChatService, prefs: Preferences, args: argparse.Namespace) -> int:
+    """A chat that is not stored: the model and the preferences, no database writes."""
+    session = ChatSession(service.load_model(prefs.model).loaded)
+    options = prefs.turn_options()
+    messages: list[dict] = []
 
-    return make
+    def turn(text: str, should_stop: Callable[[], bool]) -> Iterator:
+        messages.append({"role": "user", "content": text})
+        for event in session.reply(
+            messages,
+            system=options.system,
+            sampling=options.sampling,
+            kv=options.kv,
+            should_stop=should_stop,
+            max_context=options.max_context,
+        ):
+            if isinstance(event, TurnFinished):
+                messages.append({"role": "assistant", "content": event.text})
+            yield event
+
+    return loop(turn, args.message, args.json, session.loaded.name)
 
 
 def loop(turn: Turn, first_message: str | None, as_json: bool, model: str) -> int:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from app.commands.terminal_text import terminal_safe
+from app.service.chat import ChatService
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
@@ -41,15 +42,14 @@ def conversations(args: argparse.Namespace) -> int:
             print(f"{conversation.id:5}  {title:30}  {message.role}: {snippet}")
         return 0 if hits else 1
     if command == "delete":
-        store.delete(args.id)
-        CacheIndex(store.db).collect_garbage()
+        ChatService(store.db).delete(args.id)
         print(f"Deleted conversation {args.id}")
         return 0
     if command == "export":
-        text = store.export(args.id, args.format)
         if args.output:
-            Path(args.output).write_text(text)
+            ChatService(store.db).export_text(args.id, args.format, Path(args.output))
         else:
+            text = store.export(args.id, args.format)
             # Exact when redirected to a file or a pipe; made safe only for a terminal.
             print(terminal_safe(text) if sys.stdout.isatty() else text)
         return 0
@@ -95,41 +95,18 @@ def cache(args: argparse.Namespace) -> int:
             print(f"{count} files checked, {len(bad)} bad")
         return 1 if bad else 0
     if command == "gc":
-        removed = index.collect_garbage()
+        removed = ChatService(db).collect_garbage()
         print(", ".join(f"{v} {k.replace('_', ' ')}" for k, v in removed.items()))
         return 0
     if command == "export":
-        return _export(db, args.id, Path(args.out))
+        exported = ChatService(db).export_cache(args.id, Path(args.out))
+        print(
+            f"Wrote {exported.tokens} tokens of KV cache to {exported.path}"
+            + (
+                f" ({exported.dequantized_layers} quantized layers written in 16 bits)"
+                if exported.dequantized_layers
+                else ""
+            )
+        )
+        return 0
     return 2
-
-
-def _export(db, conversation_id: int, out: Path) -> int:
-    """Write the conversation's cache as a plain mlx-lm prompt cache file."""
-    from mlx_lm.models.cache import save_prompt_cache
-
-    from app.engine import loading, models
-    from app.engine.kvstore import KVStore
-    from sessions import paths
-
-    conversation = ConversationStore(db).get(conversation_id)
-    loaded = loading.load(models.resolve(conversation.model, paths.models_dir()))
-    kvstore = KVStore(CacheIndex(db), loaded)
-    entry = kvstore.index.conversation(conversation_id)
-    if entry is None:
-        print(f"reprise: conversation {conversation_id} has no saved cache", file=sys.stderr)
-        return 1
-    result = kvstore.restore(entry, [*entry.tokens, -1])
-    if result.cache is None:
-        print(f"reprise: the saved cache cannot be used: {result.rejected}", file=sys.stderr)
-        return 1
-    save_prompt_cache(
-        str(out),
-        result.cache,
-        {
-            "model": conversation.model,
-            "reprise_conversation_id": str(conversation_id),
-            "tokens": json.dumps(result.tokens),
-        },
-    )
-    print(f"Wrote {len(result.tokens)} tokens of KV cache to {out}")
-    return 0

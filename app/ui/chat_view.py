@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 import time
 
-from PySide6.QtCore import QTimer, QUrl, Signal
+from PySide6.QtCore import QTimer, QUrl, Signal, Slot
 from PySide6.QtGui import QCursor, QDesktopServices, QGuiApplication, QImage, QTextDocument
 from PySide6.QtWidgets import QTextBrowser, QToolTip
 
@@ -54,6 +54,7 @@ class ChatView(QTextBrowser):
         self.messages.append(message)
         self.render(scroll_to_end=True)
 
+    @Slot(str)
     def add_text(self, delta: str) -> None:
         """Extend the streaming reply; the view catches up on a short timer."""
         if self.messages:

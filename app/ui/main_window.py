@@ -1,11 +1,13 @@
 """The main window: it wires the sidebar, chat view, composer and status bar to
-the worker, and to the database for what the GUI reads itself."""
+the worker. It reads the database on its own read-only connection and asks the
+worker (which owns the `ChatService`, the one writer) for every change."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QElapsedTimer, Qt, QTimer, Signal
+from PySide6.QtCore import QElapsedTimer, Qt, Signal, Slot
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
@@ -23,30 +25,21 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.engine.models import list_models
+from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+from app.engine.models import STARTER_MODEL, list_models
+from app.service.preferences import Preferences
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
 from app.ui.preferences import PreferencesDialog
 from app.ui.render import RenderedMessage
 from app.ui.sidebar import Sidebar
-from app.worker import WorkerThread
+from app.ui.turn_status import PROGRESS_AFTER_MS, TurnStatus
+from app.worker import NEW_CONVERSATION, WorkerThread
 from sessions import paths
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
 from sessions.settings import Settings
-
-# Show a progress bar only for prefill or restore that takes longer than this.
-PROGRESS_AFTER_MS = 500
-
-
-def restore_text(source: str, tokens: int, seconds: float) -> str:
-    if source == "disk":
-        took = f"{seconds * 1000:.0f} ms" if seconds < 0.1 else f"{seconds:.2f} s"
-        return f"Resumed from saved cache: {tokens:,} tokens in {took}"
-    if source == "memory":
-        return f"Continuing: {tokens:,} tokens already in memory"
-    return "Reading the conversation from the start"
 
 
 class MainWindow(QMainWindow):
@@ -55,18 +48,22 @@ class MainWindow(QMainWindow):
     send_requested = Signal(int, str)
     regenerate_requested = Signal(int)
     edit_requested = Signal(int, str)
+    rename_requested = Signal(int, str)
+    delete_requested = Signal(int)
+    branch_requested = Signal(int, int)  # conversation, message
+    clear_caches_requested = Signal()
+    export_requested = Signal(int, str, str)  # conversation, format, path
+    save_preferences_requested = Signal(object)  # Preferences
 
     def __init__(self) -> None:
         super().__init__()
         self.setWindowTitle("Reprise")
         self.resize(1100, 720)
-        self.db = open_db()
+        self.db = open_db(read_only=True)
         self.store = ConversationStore(self.db)
-        self.settings = Settings(self.db)
         self.index = CacheIndex(self.db)
         self.conversation_id: int | None = None
         self.generating = False
-        self._turn_clock = QElapsedTimer()
 
         self.sidebar = Sidebar()
         self.chat = ChatView()
@@ -78,15 +75,8 @@ class MainWindow(QMainWindow):
         self.model_loading = QProgressBar()
         self.model_loading.setRange(0, 0)
         self.model_loading.setMaximumWidth(120)
-        self.status_text = QLabel("")
-        self.stats_text = QLabel("")
-        self.progress = QProgressBar()
-        self.progress.setMaximumWidth(200)
-        self.progress.hide()
-        # Restoring a cache reports no steps: show a busy bar if the reply is slow to start.
-        self._slow_start = QTimer(self, singleShot=True, interval=PROGRESS_AFTER_MS)
-        self._slow_start.timeout.connect(self.on_slow_start)
         self._build_layout()
+        self.status = TurnStatus(self.statusBar())
         self._build_actions()
 
         self.engine = WorkerThread()
@@ -96,6 +86,9 @@ class MainWindow(QMainWindow):
         self.show_conversation(None)
         self.composer.edit.setFocus()  # open ready to type
         self.load_model_requested.emit(self.model_picker.currentText())
+
+    def preferences(self) -> Preferences:
+        return Preferences.load(Settings(self.db))
 
     # -- layout and wiring -----------------------------------------------------
 
@@ -119,9 +112,6 @@ class MainWindow(QMainWindow):
         # A toolbar shows or hides its widgets through their actions.
         self.model_loading_action = toolbar.addWidget(self.model_loading)
         self.addToolBar(toolbar)
-        self.statusBar().addWidget(self.status_text, 1)
-        self.statusBar().addPermanentWidget(self.progress)
-        self.statusBar().addPermanentWidget(self.stats_text)
 
     def _build_actions(self) -> None:
         def action(text: str, shortcut, slot) -> QAction:
@@ -149,19 +139,33 @@ class MainWindow(QMainWindow):
         menu.addAction(action("Quit", QKeySequence.StandardKey.Quit, self.close))
 
     def _wire(self) -> None:
+        """Every connection to and from the worker, in one place. Each handler of a
+        worker signal is a slot of an object on this (the GUI) thread, so Qt queues
+        the call here: widgets are only ever touched on the GUI thread."""
         worker = self.engine.worker
-        self.load_model_requested.connect(worker.load_model)
-        self.send_requested.connect(worker.send)
-        self.regenerate_requested.connect(worker.regenerate)
-        self.edit_requested.connect(worker.edit)
+        for request, slot in (
+            (self.load_model_requested, worker.load_model),
+            (self.send_requested, worker.send),
+            (self.regenerate_requested, worker.regenerate),
+            (self.edit_requested, worker.edit),
+            (self.rename_requested, worker.rename),
+            (self.delete_requested, worker.delete),
+            (self.branch_requested, worker.select_branch),
+            (self.clear_caches_requested, worker.clear_caches),
+            (self.export_requested, worker.export_text),
+            (self.save_preferences_requested, worker.save_preferences),
+        ):
+            request.connect(slot)
         worker.model_loaded.connect(self.on_model_loaded)
+        worker.conversation_started.connect(self.on_conversation_started)
+        worker.restored.connect(self.on_restored)
         worker.text_delta.connect(self.chat.add_text)
-        worker.text_delta.connect(self.on_first_text)
-        worker.prompt_progress.connect(self.on_prompt_progress)
-        worker.cache_restored.connect(self.on_cache_restored)
+        worker.text_delta.connect(self.status.on_first_text)
+        worker.prompt_progress.connect(self.status.on_prompt_progress)
         worker.finished.connect(self.on_finished)
-        worker.failed.connect(self.on_failed)
         worker.saved.connect(self.on_saved)
+        worker.changed.connect(self.on_changed)
+        worker.failed.connect(self.on_failed)
         worker.busy_changed.connect(self.on_busy)
         self.composer.send_requested.connect(self.send)
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
@@ -179,21 +183,23 @@ class MainWindow(QMainWindow):
 
     def refresh_models(self) -> None:
         names = [m.name for m in list_models(paths.models_dir())]
-        chosen = self.settings.get("model")
+        chosen = self.preferences().model
         self.model_picker.clear()
         self.model_picker.addItems(names)
         if chosen in names:
             self.model_picker.setCurrentText(chosen)
-        elif "SmolLM2-135M-Instruct" in names:
-            self.model_picker.setCurrentText("SmolLM2-135M-Instruct")
+        elif STARTER_MODEL in names:
+            self.model_picker.setCurrentText(STARTER_MODEL)
 
+    @Slot()
     def on_model_picked(self) -> None:
         name = self.model_picker.currentText()
-        self.settings.set("model", name)
+        self.save_preferences_requested.emit(replace(self.preferences(), model=name))
         self.model_state.setText("Loading model…")
         self.model_loading_action.setVisible(True)
         self.load_model_requested.emit(name)
 
+    @Slot(str, str)
     def on_model_loaded(self, name: str, compute: str) -> None:
         self.model_state.setText(f"Ready ({compute})")
         self.model_loading_action.setVisible(False)
@@ -201,6 +207,8 @@ class MainWindow(QMainWindow):
 
     # -- conversations -----------------------------------------------------------
 
+    @Slot()
+    @Slot(str)
     def refresh_sidebar(self, *_args) -> None:
         query = self.sidebar.search.text().strip()
         caches = {c["conversation_id"]: c for c in self.index.conversations_summary()}
@@ -213,17 +221,19 @@ class MainWindow(QMainWindow):
             entries = [(c.id, c.title, caches.get(c.id)) for c in self.store.list()]
         self.sidebar.show_conversations(entries, self.conversation_id)
 
+    @Slot()
     def new_chat(self) -> None:
         if not self.generating:
             self.show_conversation(None)
             self.composer.edit.setFocus()
 
+    @Slot(int)
     def show_conversation(self, conversation_id: int | None) -> None:
         if self.generating:
             return
         self.conversation_id = conversation_id
         self.chat.show_messages(self._rendered(conversation_id))
-        self.status_text.setText("")
+        self.status.say("")
 
     def _rendered(self, conversation_id: int | None) -> list[RenderedMessage]:
         if conversation_id is None:
@@ -247,13 +257,11 @@ class MainWindow(QMainWindow):
 
     # -- a turn --------------------------------------------------------------------
 
+    @Slot(str)
     def send(self, text: str) -> None:
-        if self.conversation_id is None:
-            conversation = self.store.create(self.model_picker.currentText())
-            self.conversation_id = conversation.id
         self.chat.append_streaming(RenderedMessage(-1, "user", text))
         self._start_turn()
-        self.send_requested.emit(self.conversation_id, text)
+        self.send_requested.emit(self.conversation_id or NEW_CONVERSATION, text)
 
     def regenerate(self) -> None:
         if self.chat.messages and self.chat.messages[-1].role == "assistant":
@@ -276,10 +284,9 @@ class MainWindow(QMainWindow):
 
     def _start_turn(self) -> None:
         self.chat.append_streaming(RenderedMessage(-2, "assistant", "", state="streaming"))
-        self._turn_clock.start()
-        self._slow_start.start()
-        self.status_text.setText("Thinking…")
+        self.status.begin()
 
+    @Slot(str, int)
     def on_chat_action(self, verb: str, message_id: int) -> None:
         if self.generating:
             return
@@ -291,109 +298,92 @@ class MainWindow(QMainWindow):
             siblings = [s.id for s in self.store.siblings(message_id)]
             step = -1 if verb == "branch-prev" else 1
             target = siblings[(siblings.index(message_id) + step) % len(siblings)]
-            self.store.select_branch(self.conversation_id, target)
-            self.show_conversation(self.conversation_id)
+            self.branch_requested.emit(self.conversation_id, target)
 
+    @Slot(int)
+    def on_conversation_started(self, conversation_id: int) -> None:
+        self.conversation_id = conversation_id
+        self.refresh_sidebar()
+
+    @Slot(bool)
     def on_busy(self, busy: bool) -> None:
         self.generating = busy
         self.composer.set_generating(busy)
-        if not busy:
-            self._slow_start.stop()
-            self.progress.hide()
+        self.status.on_busy(busy)
 
-    def on_slow_start(self) -> None:
-        if self.generating and not self.progress.isVisible():
-            self.progress.setRange(0, 0)  # busy, no steps
-            self.progress.setFormat("Preparing…")
-            self.progress.show()
-
-    def on_first_text(self, _text: str) -> None:
-        if self._slow_start.isActive() or self.progress.maximum() == 0:
-            self._slow_start.stop()
-            self.progress.hide()
-
-    def on_prompt_progress(self, done: int, total: int) -> None:
-        if done >= total:
-            self.progress.hide()
-            return
-        if self._turn_clock.isValid() and self._turn_clock.elapsed() > PROGRESS_AFTER_MS:
-            self.progress.setRange(0, total)
-            self.progress.setValue(done)
-            self.progress.setFormat(f"Reading {done:,}/{total:,} tokens")
-            self.progress.show()
-
-    def on_cache_restored(self, source: str, tokens: int, seconds: float) -> None:
+    @Slot(object)
+    def on_restored(self, info: RestoreInfo) -> None:
         first_turn = len(self.chat.messages) <= 2  # the question and the coming reply
-        self.status_text.setText("" if first_turn else restore_text(source, tokens, seconds))
+        self.status.on_restored(info, first_turn)
 
-    def on_finished(self, stats: dict) -> None:
-        self.progress.hide()
-        if self.conversation_id is not None:
+    @Slot(object)
+    def on_finished(self, reply: ReplyFinished) -> None:
+        if self.conversation_id == reply.conversation_id:
             self.chat.show_messages(self._rendered(self.conversation_id))
-        context = stats["prompt_tokens"] + stats["generated_tokens"]
-        kv_format = stats["kv_format"]  # "4-bit (group 64, ...)": the detail goes in a tooltip
-        self.stats_text.setText(
-            f"{stats['decode_tps']:.1f} tok/s · context {context:,} tokens · "
-            f"KV {stats['kv_bytes'] / 1e6:.1f} MB ({kv_format.split(' (')[0]})"
-        )
-        self.stats_text.setToolTip(f"KV cache: {kv_format}")
-        if stats["finish_reason"] == "cancelled":
-            self.status_text.setText("Stopped")
+        self.status.on_finished(reply)
         self.refresh_sidebar()
 
-    def on_saved(self, report: dict) -> None:
-        if report.get("error"):
-            self.status_text.setText(f"The cache was not saved: {report['error']}")
+    @Slot(object)
+    def on_saved(self, saved: CacheSaved) -> None:
+        self.status.on_saved(saved)
         self.refresh_sidebar()
 
+    @Slot(int)
+    def on_changed(self, conversation_id: int) -> None:
+        """The worker changed something: read it again."""
+        if self.conversation_id is not None and not self._exists(self.conversation_id):
+            self.conversation_id = None
+        if conversation_id in (0, self.conversation_id) and not self.generating:
+            self.show_conversation(self.conversation_id)
+        self.refresh_sidebar()
+
+    def _exists(self, conversation_id: int) -> bool:
+        return any(c.id == conversation_id for c in self.store.list())
+
+    @Slot(str)
     def on_failed(self, message: str) -> None:
-        self.progress.hide()
+        self.status.on_failed(message)
         if not self.model_state.text().startswith("Ready"):
             self.model_state.setText("No model loaded")
             self.model_loading_action.setVisible(False)
-        if self.conversation_id is not None:
+        if self.conversation_id is not None and self._exists(self.conversation_id):
             self.chat.show_messages(self._rendered(self.conversation_id))
-        self.status_text.setText(message.splitlines()[0])
         QMessageBox.warning(self, "Reprise", message)
 
     # -- sidebar actions ---------------------------------------------------------------
 
+    @Slot(int)
     def rename(self, conversation_id: int) -> None:
         current = self.store.get(conversation_id).title
         title, ok = QInputDialog.getText(self, "Rename", "Title:", text=current)
         if ok and title.strip():
-            self.store.rename(conversation_id, title)
-            self.refresh_sidebar()
+            self.rename_requested.emit(conversation_id, title)
 
+    @Slot(int)
     def delete(self, conversation_id: int) -> None:
         title = self.store.get(conversation_id).title or "this chat"
         answer = QMessageBox.question(self, "Delete", f"Delete “{title}” and its cache?")
-        if answer != QMessageBox.StandardButton.Yes:
-            return
-        self.store.delete(conversation_id)
-        self.index.collect_garbage()
-        if self.conversation_id == conversation_id:
-            self.show_conversation(None)
-        self.refresh_sidebar()
+        if answer == QMessageBox.StandardButton.Yes:
+            self.delete_requested.emit(conversation_id)
 
+    @Slot(int, str)
     def export(self, conversation_id: int, fmt: str) -> None:
         suffix = ".md" if fmt == "markdown" else ".json"
         title = self.store.get(conversation_id).title or "chat"
         name, _ = QFileDialog.getSaveFileName(self, "Export", str(Path.home() / f"{title}{suffix}"))
         if name:
-            Path(name).write_text(self.store.export(conversation_id, fmt))
+            self.export_requested.emit(conversation_id, fmt, name)
 
     # -- dialogs -----------------------------------------------------------------------
 
+    @Slot()
     def open_preferences(self) -> None:
-        dialog = PreferencesDialog(self.settings, self.index.usage()[1], self)
-        dialog.clear_caches_requested.connect(self.clear_caches)
-        dialog.exec()
+        dialog = PreferencesDialog(self.preferences(), self.index.usage()[1], self)
+        dialog.clear_caches_requested.connect(self.clear_caches_requested)
+        if dialog.exec() and dialog.chosen is not None:
+            self.save_preferences_requested.emit(dialog.chosen)
 
-    def clear_caches(self) -> None:
-        self.index.clear()
-        self.refresh_sidebar()
-
+    @Slot()
     def open_models(self) -> None:
         from app.ui.models_dialog import ModelsDialog
 

@@ -1,12 +1,14 @@
 """Preferences: generation, memory (KV cache quantization), storage.
 
-Values live in SQLite (sessions.settings); changes apply to the next turn.
+The dialog edits a `Preferences` value and hands back a new one; the worker
+saves it (the window never writes). Changes apply to the next turn.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from dataclasses import replace
+from importlib.resources.abc import Traversable
 
 from PySide6.QtCore import QUrl, Signal
 from PySide6.QtGui import QDesktopServices
@@ -18,6 +20,7 @@ from PySide6.QtWidgets import (
     QFormLayout,
     QHBoxLayout,
     QLabel,
+    QMessageBox,
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
@@ -26,15 +29,19 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.resource_files import resource
+from app.service.preferences import GROUP_SIZES, KV_CHOICES, InvalidPreference, Preferences
 from sessions import paths
-from sessions.settings import Settings
 
 # `reprise bench kv --save resources/kv-bench.json`: the measured trade-offs shown here.
-KV_FIGURES = Path(__file__).resolve().parents[2] / "resources" / "kv-bench.json"
-KV_CHOICES = [(None, "Off (16-bit)"), (8, "8-bit"), (4, "4-bit")]
+KV_FIGURES = resource("kv-bench.json")
 
 
-def kv_tradeoffs(path: Path = KV_FIGURES) -> dict[int | None, str]:
+def kv_label(bits: int | None) -> str:
+    return "Off (16-bit)" if bits is None else f"{bits}-bit"
+
+
+def kv_tradeoffs(path: Traversable = KV_FIGURES) -> dict[int | None, str]:
     """One honest line per KV choice, from the figures `reprise bench kv` measured."""
     lines = {None: "Full precision: the most memory; the reference for the other two."}
     try:
@@ -66,11 +73,12 @@ GIB = 2**30
 class PreferencesDialog(QDialog):
     clear_caches_requested = Signal()
 
-    def __init__(self, settings: Settings, cache_usage_bytes: int, parent=None) -> None:
+    def __init__(self, prefs: Preferences, cache_usage_bytes: int, parent=None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Preferences")
-        self.settings = settings
-        values = settings.all()
+        self.initial = prefs
+        self.chosen: Preferences | None = None  # set by OK
+        values = vars(prefs)
         tabs = QTabWidget()
         tabs.addTab(self._generation_tab(values), "Generation")
         tabs.addTab(self._memory_tab(values), "Memory")
@@ -108,14 +116,14 @@ class PreferencesDialog(QDialog):
         form = QFormLayout(page)
         self.kv_bits = QComboBox()
         self.kv_lines = kv_tradeoffs()
-        for bits, label in KV_CHOICES:
-            self.kv_bits.addItem(label, bits)
-        self.kv_bits.setCurrentIndex([c[0] for c in KV_CHOICES].index(values["kv_bits"]))
+        for bits in KV_CHOICES:
+            self.kv_bits.addItem(kv_label(bits), bits)
+        self.kv_bits.setCurrentIndex(KV_CHOICES.index(values["kv_bits"]))
         self.kv_explanation = QLabel()
         self.kv_explanation.setWordWrap(True)
         self.kv_bits.currentIndexChanged.connect(self._explain_kv)
         self.kv_group_size = QComboBox()
-        for size in (32, 64, 128):
+        for size in GROUP_SIZES:
             self.kv_group_size.addItem(str(size), size)
         self.kv_group_size.setCurrentText(str(values["kv_group_size"]))
         self.quantized_kv_start = self._int(0, 1_000_000, values["quantized_kv_start"])
@@ -188,22 +196,27 @@ class PreferencesDialog(QDialog):
         box.setValue(value)
         return box
 
-    def values(self) -> dict:
-        return {
-            "temperature": self.temperature.value(),
-            "top_p": self.top_p.value(),
-            "min_p": self.min_p.value(),
-            "repetition_penalty": self.repetition_penalty.value(),
-            "max_tokens": self.max_tokens.value(),
-            "system_prompt": self.system_prompt.toPlainText(),
-            "kv_bits": self.kv_bits.currentData(),
-            "kv_group_size": self.kv_group_size.currentData(),
-            "quantized_kv_start": self.quantized_kv_start.value(),
-            "max_context": self.max_context.value() or None,
-            "cache_budget_bytes": int(self.budget.value() * GIB),
-        }
+    def preferences(self) -> Preferences:
+        """The preferences as the dialog shows them."""
+        return replace(
+            self.initial,
+            temperature=self.temperature.value(),
+            top_p=self.top_p.value(),
+            min_p=self.min_p.value(),
+            repetition_penalty=self.repetition_penalty.value(),
+            max_tokens=self.max_tokens.value(),
+            system_prompt=self.system_prompt.toPlainText(),
+            kv_bits=self.kv_bits.currentData(),
+            kv_group_size=self.kv_group_size.currentData(),
+            quantized_kv_start=self.quantized_kv_start.value(),
+            max_context=self.max_context.value() or None,
+            cache_budget_bytes=int(self.budget.value() * GIB),
+        )
 
     def accept(self) -> None:
-        for key, value in self.values().items():
-            self.settings.set(key, value)
+        try:
+            self.chosen = self.preferences()
+        except InvalidPreference as exc:  # a value the spin boxes allow and the rules do not
+            QMessageBox.warning(self, "Preferences", f"The {exc}.")
+            return
         super().accept()

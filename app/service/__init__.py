@@ -1,0 +1,1 @@
+"""The use cases, Qt-free: the one writer of conversations, caches and preferences."""

@@ -1,0 +1,154 @@
+"""`ChatService`: every use case and every write, in one place (docs/architecture.md §1–2).
+
+The window and the terminal both drive a `ChatService`; in the window it lives
+on the worker's thread, so its calls run one after another: a save and a
+garbage collection can never interleave. Across processes, a turn holds the
+conversation's writer lock (`sessions.locks`), and garbage collection leaves
+alone the files too young to have their index row yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import sqlite_utils
+
+from app.engine import loading, models
+from app.engine.conversation import ConversationEngine, TurnEvent
+from app.service.preferences import Preferences
+from sessions import paths
+from sessions.cachefiles import CacheIndex
+from sessions.conversations import Conversation, ConversationStore
+from sessions.locks import conversation_lock
+from sessions.repair import on_start as repair_on_start
+from sessions.settings import Settings
+
+ShouldStop = Callable[[], bool]
+
+
+def never() -> bool:
+    return False
+
+
+class ChatService:
+    def __init__(self, db: sqlite_utils.Database, models_dir: Path | None = None) -> None:
+        self.db = db
+        self.store = ConversationStore(db)
+        self.index = CacheIndex(db)
+        self.settings = Settings(db)
+        self.models_dir = models_dir or paths.models_dir()
+        self.engine: ConversationEngine | None = None
+
+    def repair(self) -> dict[str, int]:
+        """Put right what a killed process left (see `sessions.repair`); once at start."""
+        return repair_on_start(self.db)
+
+    # -- preferences and the model ------------------------------------------------
+
+    def preferences(self) -> Preferences:
+        return Preferences.load(self.settings)
+
+    def save_preferences(self, prefs: Preferences) -> None:
+        prefs.save(self.settings)
+
+    def load_model(self, name: str | None = None) -> ConversationEngine:
+        """The engine for model `name` (None: the preferred one), loading it only if
+        it is not the one loaded. The one engine factory."""
+        prefs = self.preferences()
+        path = models.resolve(name or prefs.model, self.models_dir)
+        if self.engine is None or self.engine.loaded.path != path:
+            self.engine = None  # free the old model's memory before loading the new
+            self.engine = ConversationEngine(
+                self.db,
+                loading.load(path),
+                chunk_tokens=prefs.cache_chunk_tokens,
+                budget_bytes=prefs.cache_budget_bytes,
+            )
+        return self.engine
+
+    def _engine(self) -> ConversationEngine:
+        return self.engine if self.engine is not None else self.load_model()
+
+    # -- turns -------------------------------------------------------------------------
+
+    def send(
+        self,
+        conversation_id: int,
+        text: str,
+        prefs: Preferences | None = None,
+        should_stop: ShouldStop = never,
+    ) -> Iterator[TurnEvent]:
+        options = (prefs or self.preferences()).turn_options()
+        with conversation_lock(conversation_id):
+            yield from self._engine().send(conversation_id, text, options, should_stop)
+
+    def regenerate(
+        self,
+        conversation_id: int,
+        prefs: Preferences | None = None,
+        should_stop: ShouldStop = never,
+    ) -> Iterator[TurnEvent]:
+        options = (prefs or self.preferences()).turn_options()
+        with conversation_lock(conversation_id):
+            yield from self._engine().regenerate(conversation_id, options, should_stop)
+
+    def edit(
+        self,
+        message_id: int,
+        text: str,
+        prefs: Preferences | None = None,
+        should_stop: ShouldStop = never,
+    ) -> Iterator[TurnEvent]:
+        conversation_id = self.store.message(message_id).conversation_id
+        options = (prefs or self.preferences()).turn_options()
+        with conversation_lock(conversation_id):
+            yield from self._engine().edit(message_id, text, options, should_stop)
+
+    # -- conversations -------------------------------------------------------------
+
+    def create_conversation(self, model: str, system_prompt: str | None = None) -> Conversation:
+        return self.store.create(model, system_prompt)
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        self.store.rename(conversation_id, title.strip())
+
+    def select_branch(self, conversation_id: int, message_id: int) -> None:
+        self.store.select_branch(conversation_id, message_id)
+
+    def delete(self, conversation_id: int) -> None:
+        """The conversation, its messages, and the cache files only it used."""
+        with conversation_lock(conversation_id):
+            entry = self.index.conversation(conversation_id)
+            self.store.delete(conversation_id)
+            if self.engine is not None:
+                self.engine.forget(conversation_id)
+            if entry is not None:  # now, not at the next gc: they are known to be its own
+                self.index.release(set(entry.chunk_keys))
+            self.index.collect_garbage()
+
+    # -- caches -----------------------------------------------------------------------
+
+    def clear_caches(self) -> None:
+        """Every KV cache file; the text stays, and a chat's next turn recomputes
+        (the one chat whose cache is in memory keeps it, and saves it again)."""
+        self.index.clear()
+
+    def collect_garbage(self) -> dict[str, int]:
+        return self.index.collect_garbage()
+
+    def export_cache(self, conversation_id: int, out: Path):
+        """Write the conversation's KV cache as an mlx-lm prompt cache file."""
+        from app.engine.export import export_cache
+
+        conversation = self.store.get(conversation_id)
+        engine = self.load_model(conversation.model)
+        return export_cache(engine.kvstore, conversation_id, out, conversation.model)
+
+    def export_text(self, conversation_id: int, fmt: str, out: Path) -> Path:
+        from sessions.errors import storage_errors
+
+        text = self.store.export(conversation_id, fmt)
+        with storage_errors(out):
+            out.write_text(text, encoding="utf-8")
+        return out

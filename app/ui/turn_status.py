@@ -1,0 +1,107 @@
+"""The status bar's account of a turn: where the cache came from, a progress bar
+for a slow start, and the finished reply's speed and memory."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QElapsedTimer, QObject, QTimer, Slot
+from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar
+
+from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+
+# Show a progress bar only for prefill or restore that takes longer than this.
+PROGRESS_AFTER_MS = 500
+
+
+def restore_text(source: str, tokens: int, seconds: float) -> str:
+    if source == "disk":
+        took = f"{seconds * 1000:.0f} ms" if seconds < 0.1 else f"{seconds:.2f} s"
+        return f"Resumed from saved cache: {tokens:,} tokens in {took}"
+    if source == "memory":
+        return f"Continuing: {tokens:,} tokens already in memory"
+    return "Reading the conversation from the start"
+
+
+def stats_text(reply: ReplyFinished) -> str:
+    stats = reply.stats
+    context = stats.prompt_tokens + stats.generated_tokens
+    kind = stats.kv_format.split(" (")[0]  # "4-bit (group 64, ...)": the rest in a tooltip
+    return (
+        f"{stats.decode_tps:.1f} tok/s · context {context:,} tokens · "
+        f"KV {stats.kv_bytes / 1e6:.1f} MB ({kind})"
+    )
+
+
+class TurnStatus(QObject):
+    def __init__(self, status_bar: QStatusBar) -> None:
+        super().__init__(status_bar)
+        self.message = QLabel("")
+        self.stats = QLabel("")
+        self.progress = QProgressBar()
+        self.progress.setMaximumWidth(200)
+        self.progress.hide()
+        status_bar.addWidget(self.message, 1)
+        status_bar.addPermanentWidget(self.progress)
+        status_bar.addPermanentWidget(self.stats)
+        self.busy = False
+        self._clock = QElapsedTimer()
+        # Restoring a cache reports no steps: a busy bar if the reply is slow to start.
+        self._slow_start = QTimer(self, singleShot=True, interval=PROGRESS_AFTER_MS)
+        self._slow_start.timeout.connect(self.on_slow_start)
+
+    def begin(self) -> None:
+        self._clock.start()
+        self._slow_start.start()
+        self.message.setText("Thinking…")
+
+    def say(self, text: str) -> None:
+        self.message.setText(text)
+
+    @Slot(bool)
+    def on_busy(self, busy: bool) -> None:
+        self.busy = busy
+        if not busy:
+            self._slow_start.stop()
+            self.progress.hide()
+
+    @Slot()
+    def on_slow_start(self) -> None:
+        if self.busy and not self.progress.isVisible():
+            self.progress.setRange(0, 0)  # busy, no steps
+            self.progress.setFormat("Preparing…")
+            self.progress.show()
+
+    @Slot(str)
+    def on_first_text(self, _text: str) -> None:
+        if self._slow_start.isActive() or self.progress.maximum() == 0:
+            self._slow_start.stop()
+            self.progress.hide()
+
+    @Slot(int, int)
+    def on_prompt_progress(self, done: int, total: int) -> None:
+        if done >= total:
+            self.progress.hide()
+            return
+        if self._clock.isValid() and self._clock.elapsed() > PROGRESS_AFTER_MS:
+            self.progress.setRange(0, total)
+            self.progress.setValue(done)
+            self.progress.setFormat(f"Reading {done:,}/{total:,} tokens")
+            self.progress.show()
+
+    def on_restored(self, info: RestoreInfo, first_turn: bool) -> None:
+        text = restore_text(info.source, info.tokens, info.seconds)
+        self.message.setText("" if first_turn else text)
+
+    def on_finished(self, reply: ReplyFinished) -> None:
+        self.progress.hide()
+        self.stats.setText(stats_text(reply))
+        self.stats.setToolTip(f"KV cache: {reply.stats.kv_format}")
+        if reply.stats.finish_reason == "cancelled":
+            self.message.setText("Stopped")
+
+    def on_saved(self, saved: CacheSaved) -> None:
+        if saved.error:
+            self.message.setText(f"The cache was not saved: {saved.error}")
+
+    def on_failed(self, message: str) -> None:
+        self.progress.hide()
+        self.message.setText(message.splitlines()[0])
