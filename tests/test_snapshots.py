@@ -1,13 +1,16 @@
-"""Models whose cache cannot be chunked (sliding-window layers) save whole snapshots."""
+"""Models whose cache cannot be chunked (sliding-window layers) save whole snapshots,
+one checkpoint per turn."""
 
 from __future__ import annotations
 
 import json
 
+import families
 import pytest
 from conftest import SLIDING_WINDOW
 from mlx_lm.models.cache import RotatingKVCache
 
+from app.engine import kvstore
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
@@ -47,12 +50,12 @@ def test_a_sliding_window_conversation_reopens_from_its_snapshot(sliding_model, 
     else:
         assert isinstance(window, RotatingKVCache)
     entry = CacheIndex(open_db()).conversation(conversation.id)
-    assert entry.kv_format == "snapshot" and len(entry.chunk_keys) == 1
-    assert CacheIndex(open_db()).usage()[0] == 1  # the previous snapshot was released
+    assert entry.kv_format == "snapshot" and len(entry.chunk_keys) == 2  # one per turn
+    assert CacheIndex(open_db()).usage()[0] == 2
 
     reopened = ConversationEngine(open_db(), sliding_model)
     finished = turn(reopened, conversation.id, "third", options)
-    assert finished.restore.source == "disk"
+    assert finished.restore.source == "disk" and finished.restore.checkpoint == 2
     assert finished.stats.reused_tokens == len(entry.tokens)
     assert finished.text == fresh(sliding_model, reopened, conversation.id, options, entry.tokens)
 
@@ -78,4 +81,49 @@ def test_a_changed_history_or_a_bad_snapshot_recomputes(sliding_model):
     events = list(ConversationEngine(open_db(), sliding_model).edit(first.id, "edited", options))
     finished = next(e for e in events if isinstance(e, ReplyFinished))
     assert finished.restore.source == "recompute"
-    assert "changed since its snapshot" in finished.restore.rejected
+    assert "changed before its first checkpoint" in finished.restore.rejected
+
+
+@pytest.fixture(scope="module")
+def words_model(starter_model_dir, tmp_path_factory):
+    """A gemma3-style sliding-window model whose replies are words, so that an edited
+    conversation, tokenized afresh, still starts with the saved tokens."""
+    from app.engine.loading import load
+
+    return load(families.build("sliding", starter_model_dir, tmp_path_factory.mktemp("words")))
+
+
+def test_an_edit_resumes_from_the_checkpoint_before_it_and_drops_the_old_branch(words_model):
+    options = TurnOptions(sampling=SamplingSettings.greedy(4))
+    engine = ConversationEngine(open_db(), words_model)
+    conversation = engine.store.create(words_model.name)
+    first = turn(engine, conversation.id, "a first message longer than the sliding window", options)
+    for text in ("second", "third"):
+        turn(engine, conversation.id, text, options)
+    index = CacheIndex(open_db())
+    assert len(index.conversation(conversation.id).chunk_keys) == 3
+
+    second = engine.store.get(conversation.id).messages[2]
+    events = list(engine.edit(second.id, "an edited second", options))
+    edited = next(e for e in events if isinstance(e, ReplyFinished))
+    assert edited.restore.source == "disk" and edited.restore.checkpoint == 1, edited.restore
+    assert edited.stats.reused_tokens == first.stats.prompt_tokens + 4
+    # The new branch keeps the first turn's checkpoint and its own; the old branch's
+    # later checkpoints are nobody's now, and gone.
+    assert len(index.conversation(conversation.id).chunk_keys) == 2
+    assert index.usage()[0] == 2
+
+
+def test_a_conversation_keeps_its_latest_checkpoints(sliding_model, monkeypatch):
+    monkeypatch.setattr(kvstore, "MAX_CHECKPOINTS", 2)
+    options = TurnOptions(sampling=SamplingSettings.greedy(2))
+    engine = ConversationEngine(open_db(), sliding_model)
+    conversation = engine.store.create(sliding_model.name)
+    ends = []
+    for text in ("one", "two", "three"):
+        turn(engine, conversation.id, text, options)
+        ends.append(len(engine.session.tokens))
+    index = CacheIndex(open_db())
+    keys = index.conversation(conversation.id).chunk_keys
+    assert [index.chunk(key)["token_end"] for key in keys] == ends[-2:]
+    assert index.usage()[0] == 2

@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache
 
 from app.engine.kvquant import MixedKVCache
 
@@ -73,3 +73,51 @@ def chunk_keys(
 
 def snapshot_key(fingerprint: str, tokens: list[int]) -> str:
     return chunk_keys(fingerprint, SNAPSHOT, tokens, len(tokens))[0][0]
+
+
+def _parts(cache: list) -> list:
+    """Every layer's caches, a CacheList's parts in its place."""
+    return [part for layer in cache for part in getattr(layer, "caches", (layer,))]
+
+
+def _dtype_name(array) -> str:
+    return str(array.dtype).split(".")[-1]
+
+
+def _kind_and_format(layer) -> tuple[str, str]:
+    """What a layer is ("attention", "sliding window 16", "chunked 16", "state")
+    and how it holds its tokens or state."""
+    if isinstance(layer, ArraysCache):
+        arrays = [a for a in layer.cache if a is not None]
+        return "state", _dtype_name(arrays[0]) if arrays else "empty"
+    window = getattr(layer, "max_size", None)
+    kind = "attention" if window is None else f"sliding window {window}"
+    if isinstance(layer, ChunkedKVCache):
+        kind = f"chunked {layer.chunk_size}"
+    if isinstance(layer, MixedKVCache):
+        return kind, layer.scheme.describe()
+    if isinstance(layer, QuantizedKVCache):
+        return kind, f"{layer.bits}-bit (group {layer.group_size})"
+    keys = getattr(layer, "keys", None)
+    return kind, _dtype_name(keys) if keys is not None else "empty"
+
+
+def describe_cache(cache: list | None) -> str:
+    """What a live cache holds, per part. One format alone when every layer is
+    full attention in it ("float32", as a plain model's always was); otherwise
+    each kind of layer with its format, count and bytes:
+    "float32 state x2 (0.1 MB) + 8-bit (...) attention x2 (0.3 MB)"."""
+    if not cache:
+        return "empty"
+    groups: dict[tuple[str, str], list[int]] = {}
+    for part in _parts(cache):
+        groups.setdefault(_kind_and_format(part), []).append(part.nbytes)
+    if len(groups) == 1 and next(iter(groups))[0] == "attention":
+        return next(iter(groups))[1]
+    return " + ".join(
+        f"{fmt} {kind} x{len(sizes)} ({_size(sum(sizes))})" for (kind, fmt), sizes in groups.items()
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"

@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from app.engine.cache_keys import describe_cache
 from app.engine.errors import UserError
 from app.engine.generation import (
     KVSettings,
@@ -254,8 +255,4 @@ class ChatSession:
         return TurnFinished(text, stats)
 
     def _kv_format(self) -> str:
-        layer = (self.cache or [None])[0]
-        if isinstance(layer, MixedKVCache):
-            return layer.scheme.describe()
-        keys = getattr(layer, "keys", None)
-        return str(keys.dtype).split(".")[-1] if keys is not None else "empty"
+        return describe_cache(self.cache)

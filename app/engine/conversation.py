@@ -27,6 +27,7 @@ from app.engine.generation import (
 from app.engine.kvscheme import scheme_for, usable_format
 from app.engine.kvstore import KVStore, SaveReport
 from app.engine.loading import LoadedModel
+from app.engine.snapshots import can_trim
 from app.engine.steps import reusable_prefix
 from sessions.cachefiles import CacheIndex, ConversationCache, DiskFull
 from sessions.conversations import ConversationStore, ReplyWriter
@@ -61,6 +62,7 @@ class RestoreInfo:
     estimate_restore_s: float | None = None
     estimate_recompute_s: float | None = None
     rejected: str | None = None
+    checkpoint: int | None = None  # the snapshot restored, counting from 1 (snapshots only)
 
     def to_stats(self) -> dict:
         return {
@@ -71,6 +73,7 @@ class RestoreInfo:
             "estimate_restore_s": self.estimate_restore_s,
             "estimate_recompute_s": self.estimate_recompute_s,
             "cache_rejected": self.rejected,
+            "restore_checkpoint": self.checkpoint,
         }
 
 
@@ -266,7 +269,12 @@ class ConversationEngine:
     ) -> RestoreInfo:
         """Leave in `session` the best cache for this turn, and say where it came from."""
         if self._holds(conversation_id):
-            return RestoreInfo(source="memory", tokens=len(self.session.tokens))
+            held = self.session.tokens
+            if reusable_prefix(held, prompt) == len(held) or can_trim(self.session.cache):
+                return RestoreInfo(source="memory", tokens=len(held))
+            # An edit or a regenerate before the end of a cache that cannot be cut
+            # back: resume from the checkpoint on disk before the change.
+            entry = self.index.conversation(conversation_id)
         self.session.reset()
         self._in_memory = conversation_id
         if entry is None:
@@ -289,7 +297,12 @@ class ConversationEngine:
         if result.bytes_read and result.seconds > 0:
             self.measurements.observe(READ_BANDWIDTH, result.bytes_read / result.seconds)
         return RestoreInfo(
-            "disk", result.seconds, result.bytes_read, len(result.tokens), *estimates
+            "disk",
+            result.seconds,
+            result.bytes_read,
+            len(result.tokens),
+            *estimates,
+            checkpoint=result.checkpoint,
         )
 
     def _estimates(self, tokens: int, size: int) -> tuple[float | None, float | None]:

@@ -50,6 +50,9 @@ from sessions.cachefiles import (
     write_file,
 )
 
+# Snapshots kept per conversation: the end of each of its last turns.
+MAX_CHECKPOINTS = 8
+
 
 @dataclass(frozen=True)
 class SaveReport:
@@ -66,6 +69,7 @@ class RestoreResult:
     seconds: float = 0.0
     bytes_read: int = 0
     rejected: str | None = None
+    checkpoint: int | None = None  # which snapshot of the conversation's, from 1
 
 
 class KVStore:
@@ -108,7 +112,10 @@ class KVStore:
     def _save_snapshot(
         self, conversation_id: int, tokens: list[int], cache: list
     ) -> tuple[int, int]:
-        """Non-chunkable caches: the whole cache in one file (`chunk_tokens` 0 marks it)."""
+        """Non-chunkable caches: the whole cache in one file (`chunk_tokens` 0 marks it),
+        a checkpoint at the end of this turn. The conversation keeps the latest
+        checkpoints of earlier turns that its tokens still extend, so an edit or a
+        regenerate resumes from the one before the change."""
         key = snapshot_key(self.fingerprint, tokens)
         written = size = 0
         if not self._have(key):
@@ -117,8 +124,23 @@ class KVStore:
                 self.fingerprint, SNAPSHOT, key, 0, len(tokens), tokens_hash(tokens), len(cache)
             )
             size, written = self._write(manifest, tensors, {"layout": layout}), 1
-        self._point_conversation(conversation_id, SNAPSHOT, tokens, [key], chunk_tokens=0)
+        prefix_keys = _PrefixKeys(self.fingerprint, tokens)
+        earlier = [
+            k
+            for k, end in self._checkpoints(conversation_id)
+            if end < len(tokens) and prefix_keys.get(end) == k
+        ]
+        keys = [*earlier[-(MAX_CHECKPOINTS - 1) :], key]
+        self._point_conversation(conversation_id, SNAPSHOT, tokens, keys, chunk_tokens=0)
         return written, size
+
+    def _checkpoints(self, conversation_id: int) -> list[tuple[str, int]]:
+        """(key, token count) of the conversation's saved snapshots, oldest first."""
+        entry = self.index.conversation(conversation_id)
+        if entry is None or entry.kv_format != SNAPSHOT:
+            return []
+        rows = ((key, self.index.chunk(key)) for key in entry.chunk_keys)
+        return [(key, row["token_end"]) for key, row in rows if row]
 
     def _have(self, key: str) -> bool:
         return self.index.chunk(key) is not None and self.index.chunk_path(key).is_file()
@@ -154,7 +176,8 @@ class KVStore:
     def bytes_to_read(self, entry: ConversationCache, usable: int) -> int:
         """What restoring the first `usable` tokens of `entry` reads from disk."""
         if entry.kv_format == SNAPSHOT:
-            keys = entry.chunk_keys[:1]
+            picked = self._pick_checkpoint(entry, usable)
+            return picked[2]["bytes"] if picked else 0
         else:
             chunks = chunk_keys(self.fingerprint, entry.kv_format, entry.tokens, entry.chunk_tokens)
             keys = [key for key, start, _ in chunks if start < usable]
@@ -167,14 +190,15 @@ class KVStore:
         try:
             if entry.model_fingerprint != self.fingerprint:
                 raise CacheRejected("saved for a different model")
+            checkpoint = None
             if entry.kv_format == SNAPSHOT:
-                cache, restored, size = self._load_snapshot(entry, usable)
+                cache, restored, size, checkpoint = self._load_snapshot(entry, usable)
             else:
                 cache, restored, size = self._load_chunks(entry, usable)
         except CacheRejected as exc:
             return RestoreResult(None, [], time.perf_counter() - started, rejected=exc.reason)
         seconds = time.perf_counter() - started
-        return RestoreResult(cache, entry.tokens[:restored], seconds, size)
+        return RestoreResult(cache, entry.tokens[:restored], seconds, size, checkpoint=checkpoint)
 
     def _load_chunks(self, entry: ConversationCache, usable: int) -> tuple[list, int, int]:
         if usable <= 0:
@@ -227,19 +251,18 @@ class KVStore:
             self._shapes = layer_shapes(self.loaded.model)
         return self._shapes
 
-    def _load_snapshot(self, entry: ConversationCache, usable: int) -> tuple[list, int, int]:
-        tokens = entry.tokens
-        if usable < len(tokens):
-            raise CacheRejected("the conversation changed since its snapshot")
-        key = entry.chunk_keys[0] if entry.chunk_keys else None
-        if key != snapshot_key(self.fingerprint, tokens):
-            raise CacheRejected("index does not match its tokens")
-        row = self.index.chunk(key)
-        if row is None:
-            raise CacheRejected("cache files were evicted")
+    def _load_snapshot(self, entry: ConversationCache, usable: int) -> tuple[list, int, int, int]:
+        """The latest checkpoint within the first `usable` tokens; (cache, its token
+        count, bytes read, which checkpoint of the conversation's, from 1)."""
+        picked = self._pick_checkpoint(entry, usable)
+        if picked is None:
+            raise CacheRejected("the conversation changed before its first checkpoint")
+        number, key, row = picked
+        end = row["token_end"]
+        tokens = entry.tokens[:end]
         template = make_prompt_cache(self.loaded.model)
         manifest = ChunkManifest(
-            self.fingerprint, SNAPSHOT, key, 0, len(tokens), tokens_hash(tokens), len(template)
+            self.fingerprint, SNAPSHOT, key, 0, end, tokens_hash(tokens), len(template)
         )
         tensors, metadata = read_file(
             path_from_url(row["url"], self.index.root), manifest.expected(), load=_load_mlx
@@ -247,7 +270,32 @@ class KVStore:
         cache = snapshots.restore(template, tensors, metadata.get("layout", ""))
         mx.eval([layer.state for layer in cache])
         self.index.touch([key])
-        return cache, len(tokens), row["bytes"]
+        return cache, end, row["bytes"], number
+
+    def _pick_checkpoint(self, entry: ConversationCache, usable: int) -> tuple | None:
+        """(number from 1, key, row) of the latest saved checkpoint that ends within
+        the first `usable` tokens and whose key is theirs; None when there is none."""
+        prefix_keys = _PrefixKeys(self.fingerprint, entry.tokens)
+        for number in range(len(entry.chunk_keys), 0, -1):
+            key = entry.chunk_keys[number - 1]
+            row = self.index.chunk(key)
+            if row is None or not 0 < row["token_end"] <= min(usable, len(entry.tokens)):
+                continue  # evicted, or past the change
+            if prefix_keys.get(row["token_end"]) == key:
+                return number, key, row
+        return None
+
+
+class _PrefixKeys:
+    """The snapshot keys of prefixes of `tokens`, by length, computed when asked."""
+
+    def __init__(self, fingerprint: str, tokens: list[int]) -> None:
+        self.fingerprint, self.tokens, self._keys = fingerprint, tokens, {}
+
+    def get(self, end: int) -> str:
+        if end not in self._keys:
+            self._keys[end] = snapshot_key(self.fingerprint, self.tokens[:end])
+        return self._keys[end]
 
 
 def _join(codec, pieces: dict[str, list], fmt: str):

@@ -54,7 +54,7 @@ class LoadedModel:
 
     @property
     def head_dim(self) -> int:
-        config = self.config
+        config = self.config.get("text_config", self.config)  # llama4 nests its own
         return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 

@@ -3,8 +3,11 @@
 Sliding-window layers (`RotatingKVCache`) overwrite old positions and
 recurrent layers (`ArraysCache`) hold a running state, so neither can be split
 along the token axis. Such caches are saved whole after each turn (a message
-boundary), with the same checks as chunks, and restored only when the saved
-tokens are an exact prefix of the new prompt.
+boundary), with the same checks as chunks. Each snapshot is a checkpoint: a
+turn restores the latest one whose tokens are a prefix of its prompt (the last
+turn's end when the conversation only grew, an earlier one after an edit or a
+regenerate; kvstore keeps them) and prefills the rest. A CacheList's parts
+are saved and restored each in its place.
 
 A layer's `state` is a tuple of arrays, tuples of arrays and plain values; the
 layout in the file's metadata records which is which. Restoring sets the state
@@ -18,7 +21,14 @@ import json
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
 
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import SIXTEEN_BIT
@@ -32,9 +42,13 @@ SNAPSHOT_CLASSES = {
     "QuantizedKVCache": QuantizedKVCache,
     "MixedKVCache": MixedKVCache,
     "RotatingKVCache": RotatingKVCache,
+    "ChunkedKVCache": ChunkedKVCache,
     "ArraysCache": ArraysCache,
+    "CacheList": CacheList,
 }
 _QUANTIZABLE = (KVCache, RotatingKVCache)
+# Layers whose first state item is their keys, one array per head and token.
+_ATTENTION = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
 
 
 def is_chunkable(cache: list) -> bool:
@@ -43,37 +57,71 @@ def is_chunkable(cache: list) -> bool:
     )
 
 
+def can_trim(cache: list) -> bool:
+    """Whether every layer can be cut back to an earlier token. mlx-lm's
+    ChunkedKVCache says it can, but once it has dropped its front a cut cannot
+    bring those tokens back."""
+    for layer in cache:
+        for part in getattr(layer, "caches", (layer,)):
+            if not part.is_trimmable() or getattr(part, "start_position", 0) > 0:
+                return False
+    return True
+
+
+def _used_state(layer) -> tuple | list:
+    """The layer's state without the unused tail of its preallocated buffers."""
+    if type(layer) is KVCache and layer.keys is not None:
+        return (
+            layer.keys[..., : layer.offset, :],
+            layer.values[..., : layer.offset, :],
+            layer.offset,
+        )
+    if type(layer) is ChunkedKVCache and layer.keys is not None:
+        keys, values = layer.keys_and_values()
+        return (keys, values, layer.offset, layer.chunk_size, layer.start_position)
+    return layer.state
+
+
+def _layer_layout(layer, prefix: str, tensors: dict[str, np.ndarray]) -> dict:
+    """One layer's layout entry, its arrays added to `tensors` under `prefix`."""
+    if type(layer) is CacheList:
+        parts = [_layer_layout(p, f"{prefix}.{m}", tensors) for m, p in enumerate(layer.caches)]
+        return {"class": "CacheList", "parts": parts}
+    items = []
+    for n, item in enumerate(_used_state(layer)):
+        name = f"{prefix}.{n}"
+        if isinstance(item, mx.array):
+            tensors[name] = to_numpy(item)
+            items.append(["array", name])
+        elif isinstance(item, tuple | list) and any(isinstance(a, mx.array) for a in item):
+            names = []
+            for m, array in enumerate(item):  # an ArraysCache slot may still be empty
+                if array is None:
+                    names.append(None)
+                elif isinstance(array, mx.array):
+                    tensors[f"{name}.{m}"] = to_numpy(array)
+                    names.append(f"{name}.{m}")
+                else:
+                    raise TypeError(f"cannot snapshot {type(layer).__name__} item {type(array)}")
+            items.append(["arrays", names])
+        elif item is None or isinstance(item, int | float | str | bool):
+            items.append(["value", item])
+        elif isinstance(item, tuple | list) and all(a is None for a in item):
+            items.append(["arrays", [None] * len(item)])
+        else:
+            raise TypeError(f"cannot snapshot {type(layer).__name__} state item {type(item)}")
+    return {"class": type(layer).__name__, "items": items}
+
+
 def snapshot(cache: list) -> tuple[dict[str, np.ndarray], str]:
     """The cache's tensors by name, and the JSON layout that puts them back."""
     tensors: dict[str, np.ndarray] = {}
-    layout = []
-    for i, layer in enumerate(cache):
-        items = []
-        state = layer.state
-        if type(layer) is KVCache:  # its buffers run past `offset`: keep what is used
-            state = (
-                layer.keys[..., : layer.offset, :],
-                layer.values[..., : layer.offset, :],
-                layer.offset,
-            )
-        for n, item in enumerate(state):
-            if isinstance(item, mx.array):
-                tensors[f"{i}.{n}"] = to_numpy(item)
-                items.append(["array", f"{i}.{n}"])
-            elif isinstance(item, tuple | list) and item and isinstance(item[0], mx.array):
-                names = [f"{i}.{n}.{m}" for m in range(len(item))]
-                tensors.update({name: to_numpy(a) for name, a in zip(names, item, strict=True)})
-                items.append(["arrays", names])
-            elif item is None or isinstance(item, int | float | str | bool):
-                items.append(["value", item])
-            else:
-                raise TypeError(f"cannot snapshot {type(layer).__name__} state item {type(item)}")
-        layout.append({"class": type(layer).__name__, "items": items})
+    layout = [_layer_layout(layer, str(i), tensors) for i, layer in enumerate(cache)]
     return tensors, json.dumps(layout)
 
 
 def _array(tensors: dict[str, mx.array], name: str) -> mx.array:
-    if name not in tensors:
+    if not isinstance(name, str) or name not in tensors:
         raise CacheRejected(f"tensor {name} is missing")
     check_dtype(tensors[name].dtype, name)
     return from_stored(tensors[name])
@@ -85,40 +133,71 @@ def restore(template: list, tensors: dict[str, mx.array], layout_json: str) -> l
         layout = json.loads(layout_json)
     except ValueError as exc:
         raise CacheRejected("unreadable snapshot layout") from exc
-    if len(layout) != len(template):
+    if not isinstance(layout, list) or len(layout) != len(template):
         raise CacheRejected("layer count does not match the model")
-    used = set()
-    cache = []
-    for layer, spec in zip(template, layout, strict=True):
-        name = spec.get("class")
-        if name not in SNAPSHOT_CLASSES:
-            raise CacheRejected(f"unknown cache class {name!r}")
-        if name == "QuantizedKVCache" and type(layer) is KVCache:
-            layer = QuantizedKVCache()
-        elif name == "MixedKVCache" and type(layer) in _QUANTIZABLE:
-            layer = MixedKVCache(SIXTEEN_BIT)  # the state names its scheme
-        elif name != type(layer).__name__:
-            raise CacheRejected(f"a {name} layer where the model has {type(layer).__name__}")
-        state = []
-        for kind, value in spec["items"]:
-            if kind == "array":
-                state.append(_array(tensors, value))
-                used.add(value)
-            elif kind == "arrays":
-                state.append(tuple(_array(tensors, v) for v in value))
-                used.update(value)
-            elif kind == "value":
-                state.append(value)
-            else:
-                raise CacheRejected(f"unknown snapshot item {kind!r}")
-        keys = state[0][0] if isinstance(state[0], tuple) else state[0]
-        if name not in ("ArraysCache", "MixedKVCache") and keys.ndim != 4:
-            raise CacheRejected(f"a {name} layer with the wrong shape {keys.shape}")
-        try:
-            layer.state = tuple(state) if name != "ArraysCache" else state
-        except (ValueError, TypeError) as exc:
-            raise CacheRejected(f"a {name} layer does not take this state ({exc})") from exc
-        cache.append(layer)
+    used: set[str] = set()
+    cache = [
+        _restore_layer(layer, spec, tensors, used)
+        for layer, spec in zip(template, layout, strict=True)
+    ]
     if used != set(tensors):
         raise CacheRejected("tensor count does not match the layout")
     return cache
+
+
+def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
+    name = spec.get("class") if isinstance(spec, dict) else None
+    if name not in SNAPSHOT_CLASSES:
+        raise CacheRejected(f"unknown cache class {name!r}")
+    if name == "QuantizedKVCache" and type(layer) is KVCache:
+        layer = QuantizedKVCache()
+    elif name == "MixedKVCache" and type(layer) in _QUANTIZABLE:
+        layer = MixedKVCache(SIXTEEN_BIT)  # the state names its scheme
+    elif name != type(layer).__name__:
+        raise CacheRejected(f"a {name} layer where the model has {type(layer).__name__}")
+    if name == "CacheList":
+        parts = spec.get("parts")
+        if not isinstance(parts, list) or len(parts) != len(layer.caches):
+            raise CacheRejected("a CacheList layer with the wrong number of parts")
+        layer.caches = tuple(
+            _restore_layer(p, s, tensors, used) for p, s in zip(layer.caches, parts, strict=True)
+        )
+        return layer
+    state = _state_items(spec.get("items"), tensors, used)
+    if name in _ATTENTION:
+        keys = state[0][0] if isinstance(state[0], tuple) else state[0]
+        if not isinstance(keys, mx.array) or keys.ndim != 4:
+            raise CacheRejected(
+                f"a {name} layer with the wrong keys {getattr(keys, 'shape', keys)}"
+            )
+    if name == "ArraysCache":
+        slots = state[0] if state else None
+        if not isinstance(slots, tuple) or len(slots) != len(layer.cache):
+            raise CacheRejected("an ArraysCache layer with the wrong number of arrays")
+        state[0] = list(slots)  # the model assigns into it
+    try:
+        layer.state = tuple(state)
+    except (ValueError, TypeError) as exc:
+        raise CacheRejected(f"a {name} layer does not take this state ({exc})") from exc
+    return layer
+
+
+def _state_items(items, tensors: dict[str, mx.array], used: set[str]) -> list:
+    if not isinstance(items, list) or not items:
+        raise CacheRejected("a snapshot layer without a state")
+    state: list = []
+    for entry in items:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise CacheRejected("unreadable snapshot item")
+        kind, value = entry
+        if kind == "array":
+            state.append(_array(tensors, value))
+            used.add(value)
+        elif kind == "arrays" and isinstance(value, list):
+            state.append(tuple(None if v is None else _array(tensors, v) for v in value))
+            used.update(v for v in value if v is not None)
+        elif kind == "value":
+            state.append(value)
+        else:
+            raise CacheRejected(f"unknown snapshot item {kind!r}")
+    return state
