@@ -64,7 +64,7 @@ class Family:
     name: str  # the test id
     model_type: str
     config: dict
-    caches: str  # what the family's cache holds, in words
+    caches: tuple[str, ...]  # the cache class of each layer (`cache_classes`)
     chunkable: bool  # every layer a plain KVCache (chunk files) rather than a snapshot
     extras: dict = field(default_factory=dict)
 
@@ -83,7 +83,7 @@ FAMILIES: dict[str, Family] = {
                 "head_dim": 32,
                 "tie_word_embeddings": False,
             },
-            "KVCache x2",
+            ("KVCache", "KVCache"),
             True,
         ),
         Family(
@@ -100,7 +100,7 @@ FAMILIES: dict[str, Family] = {
                 "sliding_window_pattern": 3,
                 "rms_norm_eps": 1e-6,
             },
-            "RotatingKVCache(16) x2 + KVCache",
+            ("RotatingKVCache", "RotatingKVCache", "KVCache"),
             False,
         ),
         Family(
@@ -127,7 +127,7 @@ FAMILIES: dict[str, Family] = {
                 "full_attention_interval": 2,
                 "tie_word_embeddings": False,
             },
-            "(ArraysCache(2) + KVCache) x2",
+            ("ArraysCache", "KVCache", "ArraysCache", "KVCache"),
             False,
         ),
         Family(
@@ -153,7 +153,7 @@ FAMILIES: dict[str, Family] = {
                 "mamba_conv_bias": True,
                 "tie_word_embeddings": False,
             },
-            "ArraysCache(2) + KVCache + ArraysCache(2)",
+            ("ArraysCache", "KVCache", "ArraysCache"),
             False,
         ),
         Family(
@@ -173,7 +173,7 @@ FAMILIES: dict[str, Family] = {
                 "norm_topk_prob": True,
                 "tie_word_embeddings": False,
             },
-            "KVCache x2",
+            ("KVCache", "KVCache"),
             True,
         ),
         Family(
@@ -197,7 +197,7 @@ FAMILIES: dict[str, Family] = {
                 "n_group": 1,
                 "topk_group": 1,
             },
-            "KVCache x2 (keys: the 64-wide latent, values: the 32-wide rope part)",
+            ("KVCache", "KVCache"),  # keys 64 wide (the latent), values 32 (rope part),
             True,
         ),
         Family(
@@ -226,7 +226,7 @@ FAMILIES: dict[str, Family] = {
                     "vocab_size": VOCAB,
                 },
             },
-            "ChunkedKVCache(16) x3 + KVCache",
+            ("ChunkedKVCache", "ChunkedKVCache", "ChunkedKVCache", "KVCache"),
             False,
             {"no_common": True},
         ),
@@ -248,7 +248,7 @@ FAMILIES: dict[str, Family] = {
                 "mamba_chunk_size": 16,
                 "tie_word_embeddings": False,
             },
-            "CacheList(ArraysCache(2), KVCache) x2",
+            ("CacheList(ArraysCache,KVCache)",) * 2,
             False,
         ),
     )
