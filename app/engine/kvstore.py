@@ -50,8 +50,10 @@ from sessions.cachefiles import (
     write_file,
 )
 
-# Snapshots kept per conversation: the end of each of its last turns.
-MAX_CHECKPOINTS = 8
+# Snapshots kept per conversation: the ends of its last turns. Each is a whole cache
+# (a hybrid model's attention layers included), so they are few: an edit further back
+# recomputes from the start.
+MAX_CHECKPOINTS = 4
 
 
 @dataclass(frozen=True)
