@@ -60,6 +60,37 @@ def test_a_sliding_window_conversation_reopens_from_its_snapshot(sliding_model, 
     assert finished.text == fresh(sliding_model, reopened, conversation.id, options, entry.tokens)
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda layout: layout[0].update({"class": "ForeignCache"}),
+        lambda layout: layout[0]["items"].__setitem__(2, ["value", "many"]),  # the offset
+        lambda layout: layout[0]["items"].__setitem__(2, ["value", -3]),
+        lambda layout: layout[0]["items"].__setitem__(2, ["value", 2.5]),
+        lambda layout: layout[0]["items"].__setitem__(4, ["value", 64]),  # the window
+        lambda layout: layout[1]["items"].pop(),
+        lambda layout: layout[1]["items"].__setitem__(0, ["array", "9.9"]),
+    ],
+    ids=["class", "text", "negative", "float", "window", "short-state", "no-tensor"],
+)
+def test_a_tampered_snapshot_layout_is_refused(words_model, damage):
+    options = TurnOptions(sampling=SamplingSettings.greedy(2))
+    engine = ConversationEngine(open_db(), words_model)
+    conversation = engine.store.create(words_model.name)
+    turn(engine, conversation.id, "a first message longer than the sliding window", options)
+    index = CacheIndex(open_db())
+    path = path_from_url(index.chunk(index.conversation(conversation.id).chunk_keys[0])["url"])
+    tensors, metadata = read_file(path, {})
+    layout = json.loads(metadata["layout"])
+    damage(layout)
+    metadata["layout"] = json.dumps(layout)
+    write_file(path, tensors, {k: v for k, v in metadata.items() if k != "checksum"})
+
+    finished = turn(ConversationEngine(open_db(), words_model), conversation.id, "next", options)
+    assert finished.restore.source == "recompute" and finished.restore.rejected
+    assert len(finished.text.split()) == 2  # the turn went on, recomputed
+
+
 def test_a_changed_history_or_a_bad_snapshot_recomputes(sliding_model):
     options = TurnOptions(sampling=SamplingSettings.greedy(8))
     engine = ConversationEngine(open_db(), sliding_model)

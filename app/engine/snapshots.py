@@ -47,6 +47,8 @@ SNAPSHOT_CLASSES = {
     "CacheList": CacheList,
 }
 _QUANTIZABLE = (KVCache, RotatingKVCache)
+# Sizes a layer takes from the model's config: a snapshot must agree with them.
+_MODEL_SIZES = ("max_size", "keep", "chunk_size")
 # Layers whose first state item is their keys, one array per head and token.
 _ATTENTION = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
 
@@ -147,6 +149,7 @@ def restore(template: list, tensors: dict[str, mx.array], layout_json: str) -> l
 
 def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
     name = spec.get("class") if isinstance(spec, dict) else None
+    sizes = {"max_size": None} | {k: getattr(layer, k) for k in _MODEL_SIZES if hasattr(layer, k)}
     if name not in SNAPSHOT_CLASSES:
         raise CacheRejected(f"unknown cache class {name!r}")
     if name == "QuantizedKVCache" and type(layer) is KVCache:
@@ -163,7 +166,7 @@ def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
             _restore_layer(p, s, tensors, used) for p, s in zip(layer.caches, parts, strict=True)
         )
         return layer
-    state = _state_items(spec.get("items"), tensors, used)
+    state = _state_items(spec.get("items"), tensors, used, text=name == "MixedKVCache")
     if name in _ATTENTION:
         keys = state[0][0] if isinstance(state[0], tuple) else state[0]
         if not isinstance(keys, mx.array) or keys.ndim != 4:
@@ -179,10 +182,13 @@ def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
         layer.state = tuple(state)
     except (ValueError, TypeError) as exc:
         raise CacheRejected(f"a {name} layer does not take this state ({exc})") from exc
+    for size, value in sizes.items():  # the model's window, kept tokens or chunk size
+        if getattr(layer, size, None) != value:
+            raise CacheRejected(f"a {name} layer with another {size} than the model's")
     return layer
 
 
-def _state_items(items, tensors: dict[str, mx.array], used: set[str]) -> list:
+def _state_items(items, tensors: dict[str, mx.array], used: set[str], text: bool) -> list:
     if not isinstance(items, list) or not items:
         raise CacheRejected("a snapshot layer without a state")
     state: list = []
@@ -196,8 +202,16 @@ def _state_items(items, tensors: dict[str, mx.array], used: set[str]) -> list:
         elif kind == "arrays" and isinstance(value, list):
             state.append(tuple(None if v is None else _array(tensors, v) for v in value))
             used.update(v for v in value if v is not None)
-        elif kind == "value":
+        elif kind == "value" and _plain_value(value, text):
             state.append(value)
         else:
             raise CacheRejected(f"unknown snapshot item {kind!r}")
     return state
+
+
+def _plain_value(value, text: bool) -> bool:
+    """What a layer's state may hold besides arrays: counts and sizes (never negative),
+    None, and (`text`) MixedKVCache's format name, which its own setter parses."""
+    if value is None or (text and isinstance(value, str)):
+        return True
+    return type(value) is int and value >= 0
