@@ -317,3 +317,15 @@ def test_every_worker_signal_is_handled_on_the_gui_thread(qtbot, open_window, mo
     qtbot.waitUntil(lambda: "No message" in window.status.message.text(), timeout=5_000)
     assert {"QLabel.setText", "QTextEdit.setHtml", "QListWidget.addItem"} <= set(threads)
     assert set().union(*threads.values()) == {threading.main_thread().ident}
+
+
+def test_the_terminal_replies_as_the_window_does(qtbot, open_window):
+    """Same saved preferences, same message: `reprise chat` gives the window's reply."""
+    from test_cli import reprise
+
+    window = open_window()
+    send(qtbot, window, "Name three rivers.", greedy_tokens=24)
+    in_window = window.store.get(window.conversation_id).messages[-1].content
+    done = reprise("chat", "--conversation", "new", "--json", "Name three rivers.")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["reply"] == in_window

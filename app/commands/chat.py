@@ -52,21 +52,27 @@ def ctrl_c_stops(flag: StopFlag):
         signal.signal(signal.SIGINT, previous)
 
 
+# Each generation flag and the preference it overrides (argparse's dest: field).
+FLAG_FIELDS = {
+    "model": "model",
+    "system": "system_prompt",
+    "temp": "temperature",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_tokens": "max_tokens",
+    "seed": "seed",
+    "kv_bits": "kv_bits",
+    "kv_group_size": "kv_group_size",
+    "quantized_kv_start": "quantized_kv_start",
+    "max_context": "max_context",
+}
+
+
 def preferences_from_args(saved: Preferences, args: argparse.Namespace) -> Preferences:
     """The saved preferences, with each flag that was given in place of its value."""
     prefs = saved.with_overrides(
-        model=args.model,
-        system_prompt=args.system,
-        temperature=args.temp,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size,
-        quantized_kv_start=args.quantized_kv_start,
-        max_context=args.max_context,
+        **{field: getattr(args, flag) for flag, field in FLAG_FIELDS.items()}
     )
     return replace(prefs, kv_bits=None) if args.no_kv_quantization else prefs
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import sqlite_utils
 
 from app.engine import loading, models
-from app.engine.conversation import ConversationEngine, TurnEvent
+from app.engine.conversation import ConversationEngine, TurnEvent, TurnOptions
 from app.service.preferences import Preferences
 from sessions import paths
 from sessions.cachefiles import CacheIndex
@@ -79,9 +79,9 @@ class ChatService:
         prefs: Preferences | None = None,
         should_stop: ShouldStop = never,
     ) -> Iterator[TurnEvent]:
-        options = (prefs or self.preferences()).turn_options()
-        with conversation_lock(conversation_id):
-            yield from self._engine().send(conversation_id, text, options, should_stop)
+        return self._locked(
+            conversation_id, prefs, lambda e, o: e.send(conversation_id, text, o, should_stop)
+        )
 
     def regenerate(
         self,
@@ -89,9 +89,9 @@ class ChatService:
         prefs: Preferences | None = None,
         should_stop: ShouldStop = never,
     ) -> Iterator[TurnEvent]:
-        options = (prefs or self.preferences()).turn_options()
-        with conversation_lock(conversation_id):
-            yield from self._engine().regenerate(conversation_id, options, should_stop)
+        return self._locked(
+            conversation_id, prefs, lambda e, o: e.regenerate(conversation_id, o, should_stop)
+        )
 
     def edit(
         self,
@@ -101,9 +101,20 @@ class ChatService:
         should_stop: ShouldStop = never,
     ) -> Iterator[TurnEvent]:
         conversation_id = self.store.message(message_id).conversation_id
+        return self._locked(
+            conversation_id, prefs, lambda e, o: e.edit(message_id, text, o, should_stop)
+        )
+
+    def _locked(
+        self,
+        conversation_id: int,
+        prefs: Preferences | None,
+        turn: Callable[[ConversationEngine, TurnOptions], Iterator[TurnEvent]],
+    ) -> Iterator[TurnEvent]:
+        """A turn under the conversation's writer lock, with `prefs` or the saved ones."""
         options = (prefs or self.preferences()).turn_options()
         with conversation_lock(conversation_id):
-            yield from self._engine().edit(message_id, text, options, should_stop)
+            yield from turn(self._engine(), options)
 
     # -- conversations -------------------------------------------------------------
 
