@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     speed.add_argument("--steps", type=int, default=64, help="decode steps timed per mode")
     speed.add_argument("--json", action="store_true")
+    ui = bench_commands.add_parser("ui", help="the window offscreen: first paint, streaming")
+    ui.add_argument("--json", action="store_true")
     return parser
 
 
@@ -208,6 +210,10 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench import kv_speed
 
         return kv_speed.main(args)
+    if args.bench_command == "ui":
+        from app.bench import ui
+
+        return ui.main(args)
     if args.bench_command == "kv":
         from app.bench import kv_quality
 

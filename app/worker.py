@@ -13,16 +13,17 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
-from app.engine.errors import UserError
-from app.engine.generation import PromptProgress, TextDelta
-from app.service.chat import ChatService
-from app.service.preferences import Preferences
 from sessions import paths
 from sessions.db import open_db
+from sessions.errors import UserError
+
+if TYPE_CHECKING:  # imported on the worker's thread, once the window is on screen
+    from app.service.chat import ChatService
+    from app.service.preferences import Preferences
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,12 @@ class EngineWorker(QObject):
         self._service: ChatService | None = None
 
     def service(self) -> ChatService:
-        """Made on first use, so its connection belongs to this thread."""
+        """Made on first use, so its connection belongs to this thread. The engine (mlx,
+        mlx-lm, transformers: seconds of imports) is imported here too, on this thread,
+        so the window paints at once."""
         if self._service is None:
+            from app.service.chat import ChatService
+
             self._service = ChatService(open_db())
             self._service.repair()
         return self._service
@@ -159,6 +164,9 @@ class EngineWorker(QObject):
             self.busy_changed.emit(False)
 
     def _forward(self, events: Iterator) -> None:
+        from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+        from app.engine.generation import PromptProgress, TextDelta
+
         for event in events:
             if isinstance(event, TextDelta):
                 self.text_delta.emit(event.text)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QElapsedTimer, Qt, Signal, Slot
 from PySide6.QtGui import QAction, QKeySequence
@@ -25,7 +26,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
 from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
 from app.ui.chat_view import ChatView
@@ -40,6 +40,9 @@ from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
 from sessions.settings import Settings
+
+if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the first paint
+    from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
 
 
 class MainWindow(QMainWindow):
@@ -285,6 +288,9 @@ class MainWindow(QMainWindow):
     def _start_turn(self) -> None:
         self.chat.append_streaming(RenderedMessage(-2, "assistant", "", state="streaming"))
         self.status.begin()
+        if not self.model_state.text().startswith("Ready"):
+            # The worker answers once the model it is loading is in (requests are queued).
+            self.status.say("Waiting for the model to load…")
 
     @Slot(str, int)
     def on_chat_action(self, verb: str, message_id: int) -> None:

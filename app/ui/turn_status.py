@@ -3,10 +3,14 @@ for a slow start, and the finished reply's speed and memory."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from PySide6.QtCore import QElapsedTimer, QObject, QTimer, Slot
 from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar
 
-from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the first paint
+    from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+
 
 # Show a progress bar only for prefill or restore that takes longer than this.
 PROGRESS_AFTER_MS = 500
