@@ -155,6 +155,10 @@ class EngineWorker(QObject):
     def edit(self, message_id: int, text: str) -> None:
         self._run(lambda: self.service().edit(message_id, text, should_stop=self._stop.is_set))
 
+    @Slot(int)
+    def continue_reply(self, message_id: int) -> None:
+        self._run(lambda: self.service().continue_reply(message_id, should_stop=self._stop.is_set))
+
     def _run(self, start: Callable[[], Iterator]) -> None:
         self._stop.clear()
         self.busy_changed.emit(True)

@@ -266,7 +266,7 @@ HANDLERS = {  # every handler of a worker signal, by the class that has it
         "on_busy",
     },
     ChatView: {"add_text"},
-    TurnStatus: {"on_first_text", "on_prompt_progress"},
+    TurnStatus: {"on_first_text", "on_text", "on_prompt_progress"},
 }
 # What the handlers change on screen, patched to note the thread that changes it.
 WIDGET_CHANGES = [

@@ -105,6 +105,18 @@ class ChatService:
         with conversation_lock(conversation_id):
             yield from self._engine().edit(message_id, text, options, should_stop)
 
+    def continue_reply(
+        self,
+        message_id: int,
+        prefs: Preferences | None = None,
+        should_stop: ShouldStop = never,
+    ) -> Iterator[TurnEvent]:
+        """More of a reply cut by the length limit, stopped or interrupted, in place."""
+        conversation_id = self.store.message(message_id).conversation_id
+        options = (prefs or self.preferences()).turn_options()
+        with conversation_lock(conversation_id):
+            yield from self._engine().continue_reply(message_id, options, should_stop)
+
     # -- conversations -------------------------------------------------------------
 
     def create_conversation(self, model: str, system_prompt: str | None = None) -> Conversation:

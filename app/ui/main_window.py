@@ -51,6 +51,7 @@ class MainWindow(QMainWindow):
     send_requested = Signal(int, str)
     regenerate_requested = Signal(int)
     edit_requested = Signal(int, str)
+    continue_requested = Signal(int)  # an assistant message
     rename_requested = Signal(int, str)
     delete_requested = Signal(int)
     branch_requested = Signal(int, int)  # conversation, message
@@ -151,6 +152,7 @@ class MainWindow(QMainWindow):
             (self.send_requested, worker.send),
             (self.regenerate_requested, worker.regenerate),
             (self.edit_requested, worker.edit),
+            (self.continue_requested, worker.continue_reply),
             (self.rename_requested, worker.rename),
             (self.delete_requested, worker.delete),
             (self.branch_requested, worker.select_branch),
@@ -164,6 +166,7 @@ class MainWindow(QMainWindow):
         worker.restored.connect(self.on_restored)
         worker.text_delta.connect(self.chat.add_text)
         worker.text_delta.connect(self.status.on_first_text)
+        worker.text_delta.connect(self.status.on_text)
         worker.prompt_progress.connect(self.status.on_prompt_progress)
         worker.finished.connect(self.on_finished)
         worker.saved.connect(self.on_saved)
@@ -237,6 +240,8 @@ class MainWindow(QMainWindow):
         self.conversation_id = conversation_id
         self.chat.show_messages(self._rendered(conversation_id))
         self.status.say("")
+        self.status.clear_figures()
+        self.sidebar.select(conversation_id)
 
     def _rendered(self, conversation_id: int | None) -> list[RenderedMessage]:
         if conversation_id is None:
@@ -254,6 +259,7 @@ class MainWindow(QMainWindow):
                     m.state,
                     (index, len(siblings)),
                     is_last=i == len(messages) - 1,
+                    cut=m.state == "complete" and m.stats.get("finish_reason") == "length",
                 )
             )
         return rendered
@@ -271,6 +277,16 @@ class MainWindow(QMainWindow):
             self.chat.messages.pop()
         self._start_turn()
         self.regenerate_requested.emit(self.conversation_id)
+
+    def continue_reply(self, message_id: int) -> None:
+        """More of the last reply, streamed into the same bubble."""
+        last = self.chat.messages[-1] if self.chat.messages else None
+        if last is None or last.id != message_id:
+            return
+        last.state, last.cut = "streaming", False
+        self.chat.render(scroll_to_end=True)
+        self.status.begin()
+        self.continue_requested.emit(message_id)
 
     def edit(self, message_id: int) -> None:
         message = self.store.message(message_id)
@@ -300,6 +316,8 @@ class MainWindow(QMainWindow):
             self.regenerate()
         elif verb == "edit":
             self.edit(message_id)
+        elif verb == "continue":
+            self.continue_reply(message_id)
         elif verb in ("branch-prev", "branch-next"):
             siblings = [s.id for s in self.store.siblings(message_id)]
             step = -1 if verb == "branch-prev" else 1

@@ -59,6 +59,13 @@ class RenderedMessage:
     branch: tuple[int, int] | None = None  # (index, count) among siblings, 1-based
     show_thinking: bool = False
     is_last: bool = False
+    cut: bool = False  # the reply reached the length limit before it was done
+
+    @property
+    def can_continue(self) -> bool:
+        """A last reply that stopped before its end: cut, stopped or interrupted."""
+        unfinished = self.cut or self.state in ("cancelled", "interrupted")
+        return self.role == "assistant" and self.is_last and unfinished
 
 
 def split_thinking(text: str) -> tuple[str | None, str]:
@@ -277,12 +284,18 @@ def message_html(message: RenderedMessage, token: str = "") -> str:
         parts.append('<p style="color:#999">▍</p>')
     elif message.state == "cancelled":
         parts.append('<p style="color:#a66"><i>Stopped</i></p>')
+    elif message.state == "interrupted":
+        parts.append('<p style="color:#a66"><i>Interrupted (the app was closed)</i></p>')
+    elif message.cut:
+        parts.append('<p style="color:#a66"><i>Cut at the length limit</i></p>')
 
     links = [link("copy-msg", "Copy")]
     if message.role == "user":
         links.append(link("edit", "Edit"))
     if message.role == "assistant" and message.is_last and message.state != "streaming":
         links.append(link("regenerate", "Regenerate", 0))
+    if message.can_continue:
+        links.append(link("continue", "Continue"))
     if message.branch and message.branch[1] > 1:
         index, count = message.branch
         links.insert(0, f"{link('branch-prev', '‹')} {index}/{count} {link('branch-next', '›')}")

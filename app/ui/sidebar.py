@@ -62,6 +62,16 @@ class Sidebar(QWidget):
                 self.list.setCurrentItem(item)
         self.list.blockSignals(False)
 
+    def select(self, conversation_id: int | None) -> None:
+        """Highlight the chat on view (none for a new chat), without asking to show it."""
+        self.list.blockSignals(True)
+        self.list.clearSelection()
+        self.list.setCurrentRow(-1)
+        for row in range(self.list.count()):
+            if self.list.item(row).data(Qt.ItemDataRole.UserRole) == conversation_id:
+                self.list.setCurrentRow(row)
+        self.list.blockSignals(False)
+
     def _selected(self, item: QListWidgetItem | None) -> None:
         if item is not None:
             self.conversation_selected.emit(item.data(Qt.ItemDataRole.UserRole))

@@ -14,6 +14,15 @@ if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the fi
 
 # Show a progress bar only for prefill or restore that takes longer than this.
 PROGRESS_AFTER_MS = 500
+# The live count while a reply streams is redrawn at most this often.
+LIVE_FIGURES_MS = 250
+
+
+def live_text(pieces: int, seconds: float) -> str:
+    """The streaming reply's figures. A piece is one streamed text segment, one token
+    nearly always (a multi-byte character can take two), hence the "≈"."""
+    rate = f" · {pieces / seconds:.1f} tok/s" if seconds > 0 else ""
+    return f"≈{pieces:,} tokens{rate}"
 
 
 def restore_text(source: str, tokens: int, seconds: float) -> str:
@@ -48,6 +57,9 @@ class TurnStatus(QObject):
         status_bar.addPermanentWidget(self.stats)
         self.busy = False
         self._clock = QElapsedTimer()
+        self._decode_clock = QElapsedTimer()  # from the first streamed text
+        self._pieces = 0
+        self._drawn_at = 0
         # Restoring a cache reports no steps: a busy bar if the reply is slow to start.
         self._slow_start = QTimer(self, singleShot=True, interval=PROGRESS_AFTER_MS)
         self._slow_start.timeout.connect(self.on_slow_start)
@@ -56,9 +68,29 @@ class TurnStatus(QObject):
         self._clock.start()
         self._slow_start.start()
         self.message.setText("Thinking…")
+        self.clear_figures()
 
     def say(self, text: str) -> None:
         self.message.setText(text)
+
+    def clear_figures(self) -> None:
+        """No figures from another turn or another chat stay on screen."""
+        self.stats.setText("")
+        self.stats.setToolTip("")
+        self._pieces = 0
+        self._drawn_at = 0
+        self._decode_clock.invalidate()
+
+    @Slot(str)
+    def on_text(self, _text: str) -> None:
+        """Count the streaming reply and show its figures, a few times a second."""
+        if not self._decode_clock.isValid():
+            self._decode_clock.start()
+        self._pieces += 1
+        elapsed = self._decode_clock.elapsed()
+        if self._pieces == 1 or elapsed - self._drawn_at >= LIVE_FIGURES_MS:
+            self._drawn_at = elapsed
+            self.stats.setText(live_text(self._pieces, elapsed / 1000))
 
     @Slot(bool)
     def on_busy(self, busy: bool) -> None:
