@@ -41,6 +41,7 @@ class EngineWorker(QObject):
     changed = Signal(int)  # a conversation (0: several) was changed; read it again
     preferences_saved = Signal(object)  # Preferences
     failed = Signal(str)  # a message for the user
+    context_counted = Signal(object)  # ContextUse
     busy_changed = Signal(bool)
     import_progress = Signal(str, int, int)  # stage, done, total
     download_progress = Signal(int, int, str)  # bytes done, bytes in all, file
@@ -158,6 +159,15 @@ class EngineWorker(QObject):
     @Slot(int)
     def continue_reply(self, message_id: int) -> None:
         self._run(lambda: self.service().continue_reply(message_id, should_stop=self._stop.is_set))
+
+    @Slot(int, str)
+    def count_context(self, conversation_id: int, draft: str) -> None:
+        """The chat's and the draft's tokens (the tokenizer lives here, with the model)."""
+        cid = None if conversation_id == NEW_CONVERSATION else conversation_id
+        self._attempt(
+            "Counting tokens",
+            lambda: self.context_counted.emit(self.service().context_use(cid, draft)),
+        )
 
     def _run(self, start: Callable[[], Iterator]) -> None:
         self._stop.clear()

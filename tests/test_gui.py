@@ -264,6 +264,7 @@ HANDLERS = {  # every handler of a worker signal, by the class that has it
         "on_changed",
         "on_failed",
         "on_busy",
+        "on_context_counted",
     },
     ChatView: {"add_text"},
     TurnStatus: {"on_first_text", "on_text", "on_prompt_progress"},

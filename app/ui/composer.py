@@ -34,7 +34,7 @@ class Composer(QWidget):
         layout.addWidget(self.edit)
         layout.addWidget(self.button)
         self.generating = False
-        self.edit.submitted.connect(self._send)
+        self.edit.submitted.connect(self.send)
         self.button.clicked.connect(self._clicked)
 
     def set_generating(self, generating: bool) -> None:
@@ -45,9 +45,9 @@ class Composer(QWidget):
         if self.generating:
             self.stop_requested.emit()
         else:
-            self._send()
+            self.send()
 
-    def _send(self) -> None:
+    def send(self) -> None:
         text = self.edit.toPlainText().strip()
         if text and not self.generating:
             self.edit.clear()

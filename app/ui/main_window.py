@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QElapsedTimer, Qt, Signal, Slot
+from PySide6.QtCore import QElapsedTimer, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
@@ -30,6 +30,7 @@ from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
+from app.ui.context_meter import ContextMeter
 from app.ui.preferences import PreferencesDialog
 from app.ui.render import RenderedMessage
 from app.ui.sidebar import Sidebar
@@ -43,6 +44,10 @@ from sessions.settings import Settings
 
 if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the first paint
     from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+    from app.service.chat import ContextUse
+
+
+COUNT_AFTER_MS = 300
 
 
 class MainWindow(QMainWindow):
@@ -52,6 +57,7 @@ class MainWindow(QMainWindow):
     regenerate_requested = Signal(int)
     edit_requested = Signal(int, str)
     continue_requested = Signal(int)  # an assistant message
+    context_requested = Signal(int, str)  # conversation (NEW_CONVERSATION: none), draft
     rename_requested = Signal(int, str)
     delete_requested = Signal(int)
     branch_requested = Signal(int, int)  # conversation, message
@@ -72,6 +78,9 @@ class MainWindow(QMainWindow):
         self.sidebar = Sidebar()
         self.chat = ChatView()
         self.composer = Composer()
+        self.meter = ContextMeter()
+        # Count the draft once typing pauses, not at every key.
+        self._count_soon = QTimer(self, singleShot=True, interval=COUNT_AFTER_MS)
         self.model_picker = QComboBox()
         self.model_picker.setMinimumWidth(240)
         self.model_state = QLabel("Loading model…")
@@ -101,6 +110,7 @@ class MainWindow(QMainWindow):
         column = QVBoxLayout(right)
         column.addWidget(self.chat, 1)
         column.addWidget(self.composer)
+        column.addWidget(self.meter)
         splitter = QSplitter()
         splitter.addWidget(self.sidebar)
         splitter.addWidget(right)
@@ -153,6 +163,7 @@ class MainWindow(QMainWindow):
             (self.regenerate_requested, worker.regenerate),
             (self.edit_requested, worker.edit),
             (self.continue_requested, worker.continue_reply),
+            (self.context_requested, worker.count_context),
             (self.rename_requested, worker.rename),
             (self.delete_requested, worker.delete),
             (self.branch_requested, worker.select_branch),
@@ -173,6 +184,10 @@ class MainWindow(QMainWindow):
         worker.changed.connect(self.on_changed)
         worker.failed.connect(self.on_failed)
         worker.busy_changed.connect(self.on_busy)
+        worker.context_counted.connect(self.on_context_counted)
+        self.composer.edit.textChanged.connect(self._count_soon.start)
+        self._count_soon.timeout.connect(self.ask_context)
+        self.meter.new_chat_requested.connect(self.send_in_new_chat)
         self.composer.send_requested.connect(self.send)
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
         self.composer.stop_requested.connect(worker.stop, Qt.ConnectionType.DirectConnection)
@@ -210,6 +225,7 @@ class MainWindow(QMainWindow):
         self.model_state.setText(f"Ready ({compute})")
         self.model_loading_action.setVisible(False)
         self.model_picker.setCurrentText(name)
+        self.ask_context()
 
     # -- conversations -----------------------------------------------------------
 
@@ -242,6 +258,8 @@ class MainWindow(QMainWindow):
         self.status.say("")
         self.status.clear_figures()
         self.sidebar.select(conversation_id)
+        self.meter.clear()
+        self.ask_context()
 
     def _rendered(self, conversation_id: int | None) -> list[RenderedMessage]:
         if conversation_id is None:
@@ -266,8 +284,37 @@ class MainWindow(QMainWindow):
 
     # -- a turn --------------------------------------------------------------------
 
+    # -- the context meter ----------------------------------------------------------
+
+    @Slot()
+    def ask_context(self) -> None:
+        """Ask the worker to count the chat and the draft (it has the tokenizer)."""
+        if self.generating or not self.model_state.text().startswith("Ready"):
+            return
+        draft = self.composer.edit.toPlainText()
+        self.context_requested.emit(self.conversation_id or NEW_CONVERSATION, draft)
+
+    @Slot(object)
+    def on_context_counted(self, use: ContextUse) -> None:
+        current = use.conversation_id == self.conversation_id
+        if current and use.draft_text == self.composer.edit.toPlainText():
+            self.meter.show_use(use)
+
+    def _known_not_to_fit(self, text: str) -> bool:
+        use = self.meter.use
+        counted = use is not None and use.conversation_id == self.conversation_id
+        return counted and use.draft_text.strip() == text and not use.fits
+
+    @Slot()
+    def send_in_new_chat(self) -> None:
+        self.show_conversation(None)
+        self.composer.send()
+
     @Slot(str)
     def send(self, text: str) -> None:
+        if self._known_not_to_fit(text):
+            self.composer.edit.setPlainText(text)  # kept: the meter says why and what to do
+            return
         self.chat.append_streaming(RenderedMessage(-1, "user", text))
         self._start_turn()
         self.send_requested.emit(self.conversation_id or NEW_CONVERSATION, text)
@@ -334,6 +381,8 @@ class MainWindow(QMainWindow):
         self.generating = busy
         self.composer.set_generating(busy)
         self.status.on_busy(busy)
+        if not busy:
+            self.ask_context()  # the chat changed: count it again
 
     @Slot(object)
     def on_restored(self, info: RestoreInfo) -> None:
@@ -346,6 +395,7 @@ class MainWindow(QMainWindow):
             self.chat.show_messages(self._rendered(self.conversation_id))
         self.status.on_finished(reply)
         self.refresh_sidebar()
+        self.ask_context()
 
     @Slot(object)
     def on_saved(self, saved: CacheSaved) -> None:
