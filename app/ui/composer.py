@@ -27,6 +27,7 @@ class Composer(QWidget):
         self.edit = MessageEdit()
         self.edit.setPlaceholderText("Message (Enter sends, Shift+Enter for a new line)")
         self.edit.setFixedHeight(72)
+        self.edit.setTabChangesFocus(True)  # Tab leaves the box, as everywhere else
         self.button = QPushButton("Send")
         self.button.setMinimumWidth(80)
         layout = QHBoxLayout(self)

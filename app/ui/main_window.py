@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer, Signal, Slot
-from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
     QComboBox,
@@ -26,11 +25,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app import __version__
 from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
 from app.ui.context_meter import ContextMeter
+from app.ui.menus import build_menus
 from app.ui.preferences import PreferencesDialog
 from app.ui.render import RenderedMessage
 from app.ui.sidebar import Sidebar
@@ -67,7 +68,7 @@ class MainWindow(QMainWindow):
 
     def __init__(self) -> None:
         super().__init__()
-        self.setWindowTitle("Reprise")
+        self.setWindowTitle(f"Reprise {__version__}")
         self.resize(1100, 720)
         self.db = open_db(read_only=True)
         self.store = ConversationStore(self.db)
@@ -90,7 +91,7 @@ class MainWindow(QMainWindow):
         self.model_loading.setMaximumWidth(120)
         self._build_layout()
         self.status = TurnStatus(self.statusBar())
-        self._build_actions()
+        build_menus(self)
 
         self.engine = WorkerThread()
         self._wire()
@@ -126,31 +127,6 @@ class MainWindow(QMainWindow):
         # A toolbar shows or hides its widgets through their actions.
         self.model_loading_action = toolbar.addWidget(self.model_loading)
         self.addToolBar(toolbar)
-
-    def _build_actions(self) -> None:
-        def action(text: str, shortcut, slot) -> QAction:
-            item = QAction(text, self)
-            item.setShortcut(shortcut)
-            item.triggered.connect(slot)
-            self.addAction(item)
-            return item
-
-        menu = self.menuBar().addMenu("&File")
-        menu.addAction(action("New chat", QKeySequence.StandardKey.New, self.new_chat))
-        menu.addAction(
-            action("Find in chats", QKeySequence.StandardKey.Find, self.sidebar.search.setFocus)
-        )
-        preferences = QKeySequence(QKeySequence.StandardKey.Preferences)
-        menu.addAction(
-            action(
-                "Preferences…",
-                preferences if not preferences.isEmpty() else QKeySequence("Ctrl+,"),
-                self.open_preferences,
-            )
-        )
-        menu.addAction(action("Models…", QKeySequence("Ctrl+Shift+M"), self.open_models))
-        menu.addSeparator()
-        menu.addAction(action("Quit", QKeySequence.StandardKey.Quit, self.close))
 
     def _wire(self) -> None:
         """Every connection to and from the worker, in one place. Each handler of a
