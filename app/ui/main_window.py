@@ -307,7 +307,7 @@ class MainWindow(QMainWindow):
         if last is None or last.id != message_id:
             return
         last.state, last.cut = "streaming", False
-        self.chat.render(scroll_to_end=True)
+        self.chat.redraw_last(scroll_to_end=True)
         self.status.begin()
         self.continue_requested.emit(message_id)
 
