@@ -4,6 +4,7 @@ worker (which owns the `ChatService`, the one writer) for every change."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,6 +50,15 @@ if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the fi
 
 
 COUNT_AFTER_MS = 300
+# Characters no file name may hold on one of the systems the app runs on, and controls.
+_NOT_IN_FILE_NAMES = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]+')
+
+
+def export_name(title: str) -> str:
+    """A file name made from a chat's title: no path separators, no characters Windows or
+    macOS refuse, no leading dot (a hidden file), at most 80 characters."""
+    name = " ".join(_NOT_IN_FILE_NAMES.sub(" ", title).split()).lstrip(". ")[:80].strip()
+    return name or "chat"
 
 
 class MainWindow(QMainWindow):
@@ -419,7 +429,7 @@ class MainWindow(QMainWindow):
     @Slot(int, str)
     def export(self, conversation_id: int, fmt: str) -> None:
         suffix = ".md" if fmt == "markdown" else ".json"
-        title = self.store.get(conversation_id).title or "chat"
+        title = export_name(self.store.get(conversation_id).title)
         name, _ = QFileDialog.getSaveFileName(self, "Export", str(Path.home() / f"{title}{suffix}"))
         if name:
             self.export_requested.emit(conversation_id, fmt, name)

@@ -129,7 +129,9 @@ def _render_fence(self, tokens, idx, options, env) -> str:
         f'<table width="100%" cellpadding="6" style="background:{CODE_BG};'
         f' margin:4px 0"><tr><td><span style="color:#888">{visible_text(language or "code")}'
         f'</span> &nbsp; <a href="{href}">Copy</a>'
-        f'<pre style="margin:2px 0">{_highlight(language, token.content, env)}</pre>'
+        # Wrapped: one long line must not widen the whole transcript.
+        f'<pre style="margin:2px 0; white-space: pre-wrap">'
+        f"{_highlight(language, token.content, env)}</pre>"
         "</td></tr></table>"
     )
 
@@ -298,7 +300,12 @@ def message_html(message: RenderedMessage, token: str = "") -> str:
         links.append(link("continue", "Continue"))
     if message.branch and message.branch[1] > 1:
         index, count = message.branch
-        links.insert(0, f"{link('branch-prev', '‹')} {index}/{count} {link('branch-next', '›')}")
+        # Arrows as words-sized targets, not 5-pixel glyphs.
+        back, forward = (
+            link("branch-prev", "&nbsp;◀ Previous&nbsp;"),
+            link("branch-next", "&nbsp;Next ▶&nbsp;"),
+        )
+        links.insert(0, f"{back} {index}/{count} {forward}")
     footer = f'<p style="color:#888; font-size:small">{" &nbsp; ".join(links)}</p>'
 
     who = "You" if message.role == "user" else "Assistant"

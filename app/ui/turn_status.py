@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from PySide6.QtCore import QElapsedTimer, QObject, QTimer, Slot
 from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar
 
+from app.ui.preferences import kv_label_of
+
 if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the first paint
     from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
 
@@ -37,7 +39,7 @@ def restore_text(source: str, tokens: int, seconds: float) -> str:
 def stats_text(reply: ReplyFinished) -> str:
     stats = reply.stats
     context = stats.prompt_tokens + stats.generated_tokens
-    kind = stats.kv_format.split(" (")[0]  # "4-bit (group 64, ...)": the rest in a tooltip
+    kind = kv_label_of(stats.kv_format)  # the Preferences' words; the details in a tooltip
     return (
         f"{stats.decode_tps:.1f} tok/s · context {context:,} tokens · "
         f"KV {stats.kv_bytes / 1e6:.1f} MB ({kind})"
@@ -130,7 +132,7 @@ class TurnStatus(QObject):
     def on_finished(self, reply: ReplyFinished) -> None:
         self.progress.hide()
         self.stats.setText(stats_text(reply))
-        self.stats.setToolTip(f"KV cache: {reply.stats.kv_format}")
+        self.stats.setToolTip(f"KV cache as stored in memory: {reply.stats.kv_format}")
         if reply.stats.finish_reason == "cancelled":
             self.message.setText("Stopped")
 
