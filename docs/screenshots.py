@@ -23,8 +23,8 @@ from PySide6.QtCore import QTimer  # noqa: E402
 from PySide6.QtWidgets import QApplication, QTabWidget  # noqa: E402
 
 import app.engine  # noqa: E402,F401  (OpenBLAS first)
-from app.ui.models_dialog import ModelsDialog  # noqa: E402
 from app.service.preferences import Preferences  # noqa: E402
+from app.ui.models_dialog import ModelsDialog  # noqa: E402
 from app.ui.preferences import PreferencesDialog  # noqa: E402
 from sessions.conversations import ConversationStore  # noqa: E402
 from sessions.db import open_db  # noqa: E402
@@ -104,9 +104,7 @@ def main() -> None:
     def models():
         dialog = ModelsDialog(window.engine.worker, window)
         dialog.show()
-        QTimer.singleShot(
-            400, lambda: (shot("models.png", dialog), dialog.close(), cut_reply())
-        )
+        QTimer.singleShot(400, lambda: (shot("models.png", dialog), dialog.close(), cut_reply()))
 
     def cut_reply():
         """A reply cut by the length limit: marked, with Continue; the context meter."""
