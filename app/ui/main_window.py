@@ -35,7 +35,7 @@ from app.ui.context_meter import ContextMeter
 from app.ui.menus import build_menus
 from app.ui.preferences import PreferencesDialog
 from app.ui.render import RenderedMessage
-from app.ui.sidebar import Sidebar
+from app.ui.sidebar import Sidebar, SidebarEntry, snippet
 from app.ui.turn_status import PROGRESS_AFTER_MS, TurnStatus
 from app.worker import NEW_CONVERSATION, WorkerThread
 from sessions import paths
@@ -221,12 +221,16 @@ class MainWindow(QMainWindow):
         query = self.sidebar.search.text().strip()
         caches = {c["conversation_id"]: c for c in self.index.conversations_summary()}
         if query:
-            seen: dict[int, str] = {}
-            for conversation, _message in self.store.search(query):
-                seen.setdefault(conversation.id, conversation.title)
-            entries = [(cid, title, caches.get(cid)) for cid, title in seen.items()]
+            seen: dict[int, SidebarEntry] = {}
+            for c, message in self.store.search(query):
+                if c.id not in seen:
+                    found = snippet(message.content, query)
+                    seen[c.id] = SidebarEntry(c.id, c.title, caches.get(c.id), c.updated, found)
+            entries = list(seen.values())
         else:
-            entries = [(c.id, c.title, caches.get(c.id)) for c in self.store.list()]
+            entries = [
+                SidebarEntry(c.id, c.title, caches.get(c.id), c.updated) for c in self.store.list()
+            ]
         self.sidebar.show_conversations(entries, self.conversation_id)
 
     @Slot()
