@@ -136,6 +136,8 @@ def _add_bench_commands(commands) -> None:
     speed.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     speed.add_argument("--steps", type=int, default=64, help="decode steps timed per mode")
     speed.add_argument("--json", action="store_true")
+    ui = bench_commands.add_parser("ui", help="the window offscreen: first paint, streaming")
+    ui.add_argument("--json", action="store_true")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,6 +223,10 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench import kv_speed
 
         return kv_speed.main(args)
+    if args.bench_command == "ui":
+        from app.bench import ui
+
+        return ui.main(args)
     if args.bench_command == "kv":
         from app.bench import kv_quality
 

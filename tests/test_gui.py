@@ -264,9 +264,10 @@ HANDLERS = {  # every handler of a worker signal, by the class that has it
         "on_changed",
         "on_failed",
         "on_busy",
+        "on_context_counted",
     },
     ChatView: {"add_text"},
-    TurnStatus: {"on_first_text", "on_prompt_progress"},
+    TurnStatus: {"on_first_text", "on_text", "on_prompt_progress"},
 }
 # What the handlers change on screen, patched to note the thread that changes it.
 WIDGET_CHANGES = [
