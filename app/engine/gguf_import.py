@@ -8,6 +8,8 @@ float arrays. What this module adds:
 - `rope_traditional: true`, because llama.cpp's converter permutes the Q and K
   projections for its interleaved rotary layout, which is MLX's "traditional"
   rope (so the weights need no un-permuting);
+- the file's structure checked by our own reader first (`gguf_check`), since
+  mlx's reader trusts the sizes and offsets a file declares;
 - a Hugging Face `tokenizer.json` rebuilt from the GGUF vocabulary and merges
   (byte-level BPE), plus the chat template from `tokenizer.chat_template`.
 
@@ -26,8 +28,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from app.engine.errors import UserError
+from app.engine.gguf_check import GGUFImportError, check_gguf
 from app.engine.models import staged_folder
+
+__all__ = ["GGUFImportError", "ImportedModel", "import_gguf"]
 
 # GGUF tensor name -> mlx-lm llama parameter name.
 _TOP_LEVEL = {
@@ -70,10 +74,6 @@ _CONTROL_TOKEN = 3
 _USER_DEFINED_TOKEN = 4
 
 Progress = Callable[[str, int, int], None]
-
-
-class GGUFImportError(UserError):
-    """The GGUF file cannot be imported; the message says why, in user terms."""
 
 
 @dataclass(frozen=True)
@@ -135,9 +135,7 @@ def _check_model_name(name: str) -> None:
 
 
 def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
-    with path.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            raise GGUFImportError(f"{path.name} is not a GGUF file")
+    check_gguf(path)  # mlx trusts what the file declares; we do not
     try:
         tensors, meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
