@@ -96,7 +96,7 @@ class _Reader:
         return self.f.tell()
 
     def fail(self, why: str) -> GGUFImportError:
-        return GGUFImportError(f"{self.label} is damaged or not a usable GGUF file: {why}")
+        return GGUFImportError(f"{self.label} could not be read (damaged or truncated?): {why}")
 
     def take(self, count: int, what: str) -> bytes:
         if count > self.size - self.position:

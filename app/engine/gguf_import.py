@@ -114,8 +114,8 @@ def import_gguf(
     weights = _map_weights(tensors)
     config = _model_config(meta, weights)
 
-    report("Writing model folder", 3, 4)
     with staged_folder(models_dir, name, "import") as staging:
+        report("Writing model folder", 3, 4)
         mx.save_safetensors(str(staging / "model.safetensors"), weights, {"format": "mlx"})
         config["reprise"] = {
             "source": "gguf",
