@@ -237,7 +237,7 @@ def _model_config(meta: dict, weights: dict[str, mx.array]) -> dict:
 
 
 def _tokenizer_files(meta: dict) -> tuple[str, dict]:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 
     tokens = meta.get("tokenizer.ggml.tokens")
     merges = meta.get("tokenizer.ggml.merges")
@@ -253,9 +253,7 @@ def _tokenizer_files(meta: dict) -> tuple[str, dict]:
         raise GGUFImportError(f"Pre-tokenizer {pre!r} is not supported yet")
     split_digits, pattern = _PRE_TOKENIZERS[pre]
 
-    vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    tokenizer = _bpe_tokenizer(tokens, merges)
     steps = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
     steps += [
         pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
@@ -268,14 +266,17 @@ def _tokenizer_files(meta: dict) -> tuple[str, dict]:
     types = types.tolist() if isinstance(types, mx.array) else [1] * len(tokens)
     special = [
         AddedToken(tokens[i], special=True, normalized=False)
-        for i, kind_ in enumerate(types)
+        for i, kind_ in enumerate(types[: len(tokens)])
         if kind_ in (_CONTROL_TOKEN, _USER_DEFINED_TOKEN)
     ]
     tokenizer.add_special_tokens(special)
 
     def token_at(key: str) -> str | None:
         index = meta.get(key)
-        return tokens[int(index.item())] if isinstance(index, mx.array) else None
+        if not isinstance(index, mx.array) or index.size != 1:
+            return None
+        position = int(index.item())
+        return tokens[position] if 0 <= position < len(tokens) else None
 
     template = _meta_str(meta, "tokenizer.chat_template")
     if not template:
@@ -292,6 +293,23 @@ def _tokenizer_files(meta: dict) -> tuple[str, dict]:
         "chat_template": template,
     }
     return tokenizer.to_str(), config
+
+
+def _bpe_tokenizer(tokens: object, merges: object):
+    """The BPE model from the GGUF vocabulary and merges; a damaged one is a user error."""
+    from tokenizers import Tokenizer, models
+
+    if not isinstance(tokens, list) or not isinstance(merges, list):
+        raise GGUFImportError("The GGUF tokenizer's tokens or merges are not lists of text")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ")) for m in merges]
+    if any(len(pair) != 2 for pair in pairs):
+        bad = next(m for m, pair in zip(merges, pairs, strict=True) if len(pair) != 2)
+        raise GGUFImportError(f"The GGUF tokenizer's merge {bad!r} is not two tokens")
+    try:
+        return Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    except Exception as exc:  # tokenizers raises a bare Exception for a bad vocabulary
+        raise GGUFImportError(f"The GGUF tokenizer could not be built: {exc}") from exc
 
 
 def _sha256(path: Path) -> str:
