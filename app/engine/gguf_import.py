@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,7 +156,19 @@ def _meta_num(meta: dict, key: str, default=None):
         if default is None:
             raise GGUFImportError(f"The GGUF metadata lacks {key}")
         return default
-    return value.item() if isinstance(value, mx.array) else value
+    if isinstance(value, mx.array) and value.size == 1:
+        value = value.item()
+    if isinstance(value, bool | int | float) and math.isfinite(value):
+        return value
+    raise GGUFImportError(f"The GGUF metadata {key} is not a number")
+
+
+def _meta_count(meta: dict, key: str, default: int | None = None) -> int:
+    """A size the model is built with: a whole number of at least 1."""
+    value = _meta_num(meta, key, default)
+    if isinstance(value, bool) or value != int(value) or value < 1:
+        raise GGUFImportError(f"The GGUF metadata {key} ({value}) is not a usable size")
+    return int(value)
 
 
 def _map_weights(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -187,10 +200,10 @@ def _quant_params(weights: dict[str, mx.array], prefix: str, in_dims: int) -> di
 
 
 def _model_config(meta: dict, weights: dict[str, mx.array]) -> dict:
-    hidden = int(_meta_num(meta, "llama.embedding_length"))
-    layers = int(_meta_num(meta, "llama.block_count"))
-    heads = int(_meta_num(meta, "llama.attention.head_count"))
-    head_dim = int(_meta_num(meta, "llama.attention.key_length", hidden // heads))
+    hidden = _meta_count(meta, "llama.embedding_length")
+    layers = _meta_count(meta, "llama.block_count")
+    heads = _meta_count(meta, "llama.attention.head_count")
+    head_dim = _meta_count(meta, "llama.attention.key_length", max(1, hidden // heads))
     for i in range(layers):
         for part in _PER_BLOCK.values():
             if f"model.layers.{i}.{part}.weight" not in weights:
@@ -203,15 +216,15 @@ def _model_config(meta: dict, weights: dict[str, mx.array]) -> dict:
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "intermediate_size": int(_meta_num(meta, "llama.feed_forward_length")),
+        "intermediate_size": _meta_count(meta, "llama.feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_meta_num(meta, "llama.attention.head_count_kv", heads)),
+        "num_key_value_heads": _meta_count(meta, "llama.attention.head_count_kv", heads),
         "head_dim": head_dim,
         "rms_norm_eps": float(_meta_num(meta, "llama.attention.layer_norm_rms_epsilon")),
         "vocab_size": weights["model.embed_tokens.weight"].shape[0],
         "rope_theta": float(_meta_num(meta, "llama.rope.freq_base", 10000.0)),
         "rope_traditional": True,
-        "max_position_embeddings": int(_meta_num(meta, "llama.context_length", 4096)),
+        "max_position_embeddings": _meta_count(meta, "llama.context_length", 4096),
         "tie_word_embeddings": "lm_head.weight" not in weights,
     }
     in_dims = {
@@ -288,7 +301,7 @@ def _tokenizer_files(meta: dict) -> tuple[str, dict]:
         "pad_token": token_at("tokenizer.ggml.padding_token_id"),
         "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
         "add_bos_token": bool(_meta_num(meta, "tokenizer.ggml.add_bos_token", False)),
-        "model_max_length": int(_meta_num(meta, "llama.context_length", 4096)),
+        "model_max_length": _meta_count(meta, "llama.context_length", 4096),
         "clean_up_tokenization_spaces": False,
         "chat_template": template,
     }
