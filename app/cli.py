@@ -194,7 +194,7 @@ def _models(args: argparse.Namespace) -> int:
             print(f"{m.name:40} {m.size_bytes / 1e6:8.1f} MB  {m.architecture:8} {m.quantization}")
         return 0
     if args.models_command == "import-gguf":
-        from app.engine.gguf_import import import_gguf
+        from app.engine.gguf_child import import_in_child
 
         name = args.name or args.path.stem
         if args.if_missing and models.read_info(models_dir / name):
@@ -204,7 +204,7 @@ def _models(args: argparse.Namespace) -> int:
         def progress(stage: str, done: int, total: int) -> None:
             print(f"[{done}/{total}] {stage}", file=sys.stderr)
 
-        imported = import_gguf(args.path, models_dir, name, progress)
+        imported = import_in_child(args.path, models_dir, name, progress)
         print(f"Imported {imported.name} into {imported.path}")
         return 0
     if args.models_command == "delete":

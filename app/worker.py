@@ -95,14 +95,15 @@ class EngineWorker(QObject):
 
     @Slot(str, str)
     def import_gguf(self, path: str, name: str) -> None:
-        """Import a GGUF file into the library (mlx reads it, so it runs here)."""
-        from app.engine.gguf_import import import_gguf
+        """Import a GGUF file into the library, in a child process: a crash in a native
+        loader there is a message here, and the window lives on."""
+        from app.engine.gguf_child import import_in_child
 
         def report(stage: str, done: int, total: int) -> None:
             self.import_progress.emit(stage, done, total)
 
         self._add_model(
-            lambda: import_gguf(Path(path), paths.models_dir(), name or None, report).path
+            lambda: import_in_child(Path(path), paths.models_dir(), name or None, report).path
         )
 
     @Slot(str)

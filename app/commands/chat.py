@@ -11,6 +11,7 @@ stay consistent); Ctrl-C or Ctrl-D at the prompt ends the chat.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import sys
@@ -25,6 +26,7 @@ from app.service.chat import ChatService
 from app.service.preferences import Preferences
 from sessions.conversations import NotFound
 from sessions.db import open_db
+from sessions.errors import UserError
 
 Turn = Callable[[str, Callable[[], bool]], Iterator]
 
@@ -50,6 +52,26 @@ def ctrl_c_stops(flag: StopFlag):
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class InvalidMessage(UserError):
+    """A message that cannot be sent: empty, or not text."""
+
+
+def checked_message(text: str, where: str = "the message") -> str:
+    """`text` if it can be sent; `InvalidMessage` if not.
+
+    Python decodes argv and stdin bytes that are not UTF-8 into lone surrogates
+    (surrogateescape); they would reach the tokenizer and the database as text
+    that is not text, so they are refused here, before anything is loaded or stored.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
+    if not text.strip():
+        raise InvalidMessage(f"{where} is empty; type something to send")
+    return text
 
 
 # Each generation flag and the preference it overrides (argparse's dest: field).
@@ -106,6 +128,8 @@ def print_turn(events: Iterator, as_json: bool, model: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.message is not None:
+        checked_message(args.message)
     service = ChatService(open_db())
     prefs = preferences_from_args(service.preferences(), args)
     if args.conversation is None:
@@ -168,12 +192,42 @@ def loop(turn: Turn, first_message: str | None, as_json: bool, model: str) -> in
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"Chatting with {model}. Ctrl-C stops a reply; Ctrl-D quits.")
-    while True:
+    for number in itertools.count(1):
         try:
-            text = input("> " if interactive else "")
-        except (EOFError, KeyboardInterrupt):
+            text = _read_line(interactive, number)
+        except EOFError:
             if interactive:
                 print()
             return 0
-        if text.strip():
+        except InvalidMessage as exc:
+            if not interactive:
+                raise  # piped input stops at its first bad line; nothing of it is stored
+            print(f"reprise: {exc}", file=sys.stderr)
+            continue
+        if text.strip():  # a blank line sends nothing, as in the window
             one(text)
+    return 0  # not reached: the loop ends at the end of the input
+
+
+def _read_line(interactive: bool, number: int) -> str:
+    """The next line of input, checked; EOFError at its end (Ctrl-D or Ctrl-C).
+
+    Piped input is read as bytes and decoded line by line, so a line that is not
+    UTF-8 is named exactly, whatever decoding the platform set on stdin."""
+    where = f"input line {number}"
+    if interactive:
+        try:
+            text = input("> ")
+        except KeyboardInterrupt:
+            raise EOFError from None
+        except UnicodeDecodeError:
+            raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
+    else:
+        raw = sys.stdin.buffer.readline()
+        if not raw:
+            raise EOFError
+        try:
+            text = raw.removesuffix(b"\n").decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
+    return checked_message(text, where) if text.strip() else text
