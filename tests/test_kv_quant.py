@@ -92,8 +92,12 @@ def test_a_layer_reads_back_what_was_stored_within_its_bits(scheme, key_error):
     full = 300 * 2 * 32 * 2 * 2  # float16 keys and values
     quantized = (300 - scheme.sink - scheme.window) * 2 * 32 * scheme.bits_per_value() / 8 * 2
     window = (scheme.sink + scheme.window + 32) * 2 * 32 * 2 * 2  # up to a flush block more
-    assert quantized <= layer.nbytes <= quantized + window + 256 * 2 * 32 * 2  # + buffer slack
-    assert layer.nbytes < full
+    # Buffers grow in steps (256 quantized tokens, 64 16-bit rows); the 16-bit one is
+    # given back once flushed, so slack never reaches the size of a prefill.
+    slack = 256 * 2 * 32 * scheme.bits_per_value() / 8 * 2 + 2 * (64 + 32) * 2 * 32 * 2 * 2
+    assert quantized <= layer.nbytes <= quantized + window + slack
+    if scheme.bits_per_value() < 8:  # at 8 bits, 300 tokens are within one buffer step
+        assert layer.nbytes < full
 
 
 def test_hadamard_rotation_spreads_an_outlier_channel():
@@ -122,18 +126,25 @@ def test_hadamard_rotation_and_the_sink_window_help_at_four_bits(tiny_model):
 
 
 def test_trimming_gives_what_a_fresh_cache_gives(tiny_model):
+    """A trim into the quantized rows holds the newest rows in 16 bits again (their
+    dequantized values), as many as a fresh cache of that length holds."""
     model = tiny_model.model
-    scheme = KVScheme(4, 8, **G32, sink=4, rotate_keys=True)
+    scheme = KVScheme(4, 8, **G32, sink=4, window=24, rotate_keys=True)
     trimmed = cache_of(model, scheme)
     feed(model, trimmed, TOKENS[:200])
     for layer in trimmed:
         assert layer.trim(60) == 60
     fresh = cache_of(model, scheme)
     feed(model, fresh, TOKENS[:140])
-    assert trimmed[0].offset == fresh[0].offset == 140
+    for a, b in zip(trimmed, fresh, strict=True):
+        assert a.offset == b.offset == 140
+        assert (a.quantized(), len(a.exact[0])) == (b.quantized(), len(b.exact[0]))
+        want, got = b.quantized_tokens(0, 64), a.quantized_tokens(0, 64)  # fed alike
+        assert all(mx.array_equal(want[name], got[name]) for name in want)
     after_trim = feed(model, trimmed, TOKENS[140:180], steps=(8, 1))
     after_fresh = feed(model, fresh, TOKENS[140:180], steps=(8, 1))
-    assert mx.array_equal(after_trim, after_fresh)
+    # Close, not equal: the rows held in 16 bits again carry their 4-bit keys' error.
+    assert kl(after_fresh, after_trim) < 0.2
 
 
 def test_a_sliding_window_layer_is_quantized_and_matches_its_rotating_cache(sliding_model):

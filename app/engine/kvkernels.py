@@ -260,7 +260,8 @@ def _kernel(name: str):
 
 def available() -> bool:
     """Whether mlx computes on a CUDA GPU here."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
 def supports(layout, queries: mx.array) -> bool:

@@ -42,7 +42,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, create_attention_mask
 
 from app.engine import kvattention
 from app.engine.kvattention import PackedLayout, PackedRead
-from app.engine.kvscheme import KVScheme, parse_format
+from app.engine.kvscheme import APP_SCHEMES, KVScheme, parse_format
 
 _SIXTEEN = (mx.float16, mx.bfloat16)
 FLUSH = 32  # tokens quantized at a time once older than the window
@@ -56,6 +56,28 @@ def _sixteen(x: mx.array) -> mx.array:
 
 def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return x if x.dtype == dtype else x.astype(dtype)
+
+
+def quantized_at(count: int, window: int) -> int:
+    """How many positions a layer holds quantized once `count` are stored: whole
+    blocks of FLUSH tokens older than the window. A function of the count alone,
+    however the tokens arrived, so a cache rebuilt from its files is the live one."""
+    return max(0, (count - window) // FLUSH * FLUSH)
+
+
+def app_window(scheme: KVScheme) -> int:
+    """The 16-bit window the app runs `scheme` with: a saved format does not name it
+    (it is a setting of the app's 8-bit and 4-bit, the same for every group size)."""
+    for app_scheme in APP_SCHEMES.values():
+        if replace(app_scheme, group_size=scheme.group_size, window=0) == replace(scheme, window=0):
+            return app_scheme.window
+    return scheme.window
+
+
+def tail_rows_at(count: int, scheme: KVScheme) -> int:
+    """How many 16-bit rows after the sink a layer holds at `count` tokens."""
+    window = app_window(scheme)
+    return max(0, count - max(quantized_at(count, window), scheme.sink))
 
 
 def rotate(x: mx.array) -> mx.array:
@@ -144,6 +166,21 @@ class TokenStore:
     def trim(self, n: int) -> None:
         self.hi -= min(n, len(self))
 
+    def compact(self) -> None:
+        """Give back a buffer far larger than its tokens (the 16-bit store after a
+        long prefill is flushed), so that it does not stay allocated."""
+        size = len(self)
+        if not self.buffers or self.buffers[0].shape[2] <= 2 * (size + self.step):
+            return
+        capacity = (size // self.step + 1) * self.step
+        smaller = []
+        for buffer in self.buffers:
+            fresh = mx.zeros((*buffer.shape[:2], capacity, buffer.shape[3]), buffer.dtype)
+            if size:
+                fresh[..., :size, :] = buffer[..., self.lo : self.hi, :]
+            smaller.append(fresh)
+        self.buffers, self.lo, self.hi = smaller, 0, size
+
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
@@ -229,7 +266,26 @@ class MixedKVCache:
             self.bulk[part].trim(q - min(q, left))
         self.count = left
         self.offset -= n
+        if self.max_size is None:
+            self._unflush(quantized_at(left, self.scheme.window))
         return n
+
+    def _unflush(self, until: int) -> None:
+        """After a trim into the quantized rows: hold positions [until, q) in 16 bits
+        again (their dequantized values), so that the layer is what `quantized_at`
+        says, as a cache restored from its files will be."""
+        q, start = self.quantized(), max(until, self.sink_size)
+        if start >= q:
+            return
+        for part in (0, 1):
+            exact, sink_rows = self.exact[part], self._sink_rows()
+            dtype = exact.dtype if exact.buffers else self.bulk[part].dtype
+            rows = [self.bulk[part].read(dtype, start, q)]
+            if exact.buffers:
+                rows = [exact.encoded(0, sink_rows)[0], *rows, exact.encoded(sink_rows)[0]]
+            exact.buffers, exact.lo, exact.hi = [], 0, 0
+            exact.append_encoded([mx.concatenate(rows, axis=2)])
+            self.bulk[part].trim(q - until)
 
     def set_window(self, window: int) -> None:
         """Keep the last `window` tokens in 16 bits from now on (a restored cache
@@ -324,8 +380,11 @@ class MixedKVCache:
         for part, x in enumerate((keys, values)):
             self.exact[part].append_encoded([_sixteen(x)])
         self.count += keys.shape[2]
-        if self._tail_rows() > self.scheme.window + FLUSH:
-            self._flush(self.count - self.scheme.window)
+        if self.max_size is not None:  # a sliding window: its positions move
+            if self._tail_rows() > self.scheme.window + FLUSH:
+                self._flush(self.count - self.scheme.window)
+        elif quantized_at(self.count, self.scheme.window) > self.quantized():
+            self._flush(quantized_at(self.count, self.scheme.window))
 
     def _flush(self, until: int) -> None:
         """Quantize positions [q, until) and drop their 16-bit tail rows."""
@@ -335,6 +394,7 @@ class MixedKVCache:
             rows = self.exact[part].encoded(row, row + until - q)[0]
             self.bulk[part].append_encoded(self.bulk[part].encode(rows))
             self.exact[part].drop(max(0, until - start), after=sink_rows)
+            self.exact[part].compact()
 
     def _drop_front(self, n: int) -> None:
         """A sliding window: drop the `n` oldest tokens after the first `keep`."""
@@ -397,27 +457,42 @@ class MixedKVCache:
 
     def quantized_tokens(self, start: int, end: int) -> dict[str, mx.array]:
         """Tokens [start, end) of what is stored, as cache files hold them: every one
-        quantized, plus the 16-bit sink in the first chunk."""
+        quantized, plus the 16-bit sink in the first chunk and, in the last one
+        (`end` is the whole cache), the 16-bit rows after the sink ("t<end>k"), so
+        that the restored layer is this one."""
         named = {}
+        saved_as = parse_format(self.scheme.format)  # what a reader knows of the scheme
+        tail = end == self.count and self._tail_rows() == tail_rows_at(end, saved_as)
         for part, prefix in enumerate("kv"):
             for n, array in enumerate(self._all_quantized(part, start, end)):
                 named[f"{prefix}.{n}"] = array
             sink = self._sink(part)
             if start == 0 and sink is not None:
                 named[f"s{prefix}"] = sink
+            rows = self._tail(part)
+            if tail and rows is not None:
+                named[f"t{end}{prefix}"] = rows
         return named
 
     @classmethod
     def from_quantized(cls, scheme: KVScheme, named: dict[str, mx.array]) -> MixedKVCache:
-        """Rebuild from `quantized_tokens` of a whole cache."""
-        layer = cls(replace(scheme, window=0))
+        """Rebuild from `quantized_tokens` of a whole cache; without its 16-bit rows
+        (a file written before they were saved) every token comes back quantized."""
+        layer = cls(replace(scheme, window=app_window(scheme)))
+        count = named["k.0"].shape[2]
+        tails = [named.get(f"t{count}{prefix}") for prefix in "kv"]
+        if any(t is None for t in tails) or tails[0].shape[2] != tail_rows_at(count, scheme):
+            tails = [None, None]
         for part, prefix in enumerate("kv"):
-            count = 1 if layer.bulk[part].bits is None else 3
-            layer.bulk[part].append_encoded([named[f"{prefix}.{n}"] for n in range(count)])
-            layer.count = layer.quantized()
+            parts = 1 if layer.bulk[part].bits is None else 3
+            layer.bulk[part].append_encoded([named[f"{prefix}.{n}"] for n in range(parts)])
+            layer.count = count
             sink = named.get(f"s{prefix}")
             if sink is not None and layer.sink_size:
                 layer.exact[part].append_encoded([sink[..., : layer._sink_rows(), :]])
+            if tails[part] is not None:
+                layer.bulk[part].trim(count - quantized_at(count, layer.scheme.window))
+                layer.exact[part].append_encoded([tails[part]])
         layer.offset = layer.count
         return layer
 
