@@ -17,8 +17,8 @@ from app.engine.kvquant import MixedKVCache, quantizer
 from app.engine.kvscheme import APP_SCHEMES, KVScheme, scheme_for
 
 # (head size, query heads, KV heads): grouped-query ratios 1, 2, 4 and 8.
-SHAPES = [(64, 4, 4), (64, 8, 4), (128, 16, 4), (128, 16, 2), (128, 8, 8)]
-DTYPES = [mx.float32] if mx.default_device() == mx.cpu else [mx.bfloat16, mx.float16]
+SHAPES = [(32, 4, 2), (64, 4, 4), (64, 8, 4), (128, 16, 4), (128, 16, 2), (128, 8, 8)]
+DTYPES = [mx.float32] if mx.default_device() == mx.cpu else [mx.bfloat16, mx.float16, mx.float32]
 
 
 def filled(scheme: KVScheme, kv_heads: int, dim: int, dtype, tokens=(300, 77), **window):
@@ -127,8 +127,10 @@ def test_a_model_reads_its_packed_cache_and_gets_the_oracles_logits(tiny_model, 
     tokens = mx.random.randint(3, 200, (200,), key=mx.random.key(7))
 
     def run(cache: list) -> mx.array:
-        out = [model(tokens[None, :120], cache=cache)[0]]
-        out += [model(tokens[None, t : t + 1], cache=cache)[0] for t in range(120, 200)]
+        # Few decode steps: over many, the two caches drift apart (each quantizes the
+        # keys its own model computed, and a rounding can flip a 4-bit code).
+        out = [model(tokens[None, :180], cache=cache)[0]]
+        out += [model(tokens[None, t : t + 1], cache=cache)[0] for t in range(180, 200)]
         return mx.concatenate(out, axis=0)
 
     packed = make_prompt_cache(model)

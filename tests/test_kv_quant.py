@@ -188,3 +188,43 @@ def test_formats_name_their_scheme():
     assert scheme_for(4, 32).group_size == 32
     with pytest.raises(ValueError):
         parse_format("q4g64")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_reopened_cache_is_the_live_one(tiny_model, bits):
+    """The 16-bit recent rows travel in the last chunk: a conversation reopened from
+    its files holds what the one still in memory holds, and replies the same."""
+    from test_cache_files import new_engine, turn
+
+    from app.engine.conversation import TurnOptions
+    from app.engine.generation import KVSettings, SamplingSettings
+    from sessions.cachefiles import CacheIndex
+    from sessions.db import open_db
+
+    options = TurnOptions(
+        sampling=SamplingSettings.greedy(24), kv=KVSettings(bits=bits, group_size=32)
+    )
+    first = "a first message, long enough that its oldest tokens are quantized " * 6
+    in_memory, reopened = new_engine(tiny_model), new_engine(tiny_model)
+    kept = in_memory.store.create(tiny_model.name)
+    closed = reopened.store.create(tiny_model.name)
+    turn(in_memory, kept.id, first, options)
+    turn(reopened, closed.id, first, options)
+
+    live = in_memory.session.cache
+    entry = CacheIndex(open_db()).conversation(closed.id)
+    restored = new_engine(tiny_model).kvstore.restore(entry, len(entry.tokens)).cache
+    for live_layer, back in zip(live, restored, strict=True):
+        assert live_layer.quantized() > 0 and back.quantized() == live_layer.quantized()
+        for got, want in zip(back.state, live_layer.state, strict=True):
+            if isinstance(want, tuple):
+                assert all(mx.array_equal(g, w) for g, w in zip(got, want, strict=True))
+            elif isinstance(want, mx.array):
+                assert mx.array_equal(got, want)
+            else:
+                assert got == want
+
+    continued, _ = turn(in_memory, kept.id, "and then?", options)
+    from_disk, _ = turn(new_engine(tiny_model), closed.id, "and then?", options)
+    assert from_disk.restore.source == "disk" and continued.restore.source == "memory"
+    assert from_disk.text == continued.text
