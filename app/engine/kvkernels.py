@@ -56,7 +56,8 @@ _PARTIALS = r"""
 
     for (int i = t; i < R * D; i += CHUNK) {
         const int r = i / D, d = i % D;
-        const int64_t at = b * q_strides[0] + (int64_t)(h * R + r) * q_strides[1] + d * q_strides[3];
+        const int64_t at =
+            b * q_strides[0] + (int64_t)(h * R + r) * q_strides[1] + d * q_strides[3];
         sq[r][d] = static_cast<float>(q[at]) * scale;
         sout[r][d] = 0.0f;
     }
