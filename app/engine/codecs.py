@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from app.engine.kvquant import MixedKVCache
+from app.engine.kvquant import MixedKVCache, tail_rows_at
 from app.engine.kvscheme import KVScheme, parse_format
 from app.engine.stored_arrays import to_numpy
 from sessions.cachefiles import CacheRejected
@@ -38,6 +38,7 @@ class LayerShape:
 class TensorSpec:
     shape: tuple[int, ...]
     dtypes: tuple[mx.Dtype, ...]
+    optional: bool = False  # a chunk may hold it or not
 
 
 def layer_shapes(model) -> list[LayerShape | None]:
@@ -82,7 +83,8 @@ class PlainCodec:
 
 class MixedCodec:
     """The app's quantized `MixedKVCache`: every token quantized, plus the 16-bit
-    sink in the first chunk (see `MixedKVCache.quantized_tokens`)."""
+    sink in the first chunk and the 16-bit recent rows in the last one (see
+    `MixedKVCache.quantized_tokens`)."""
 
     name = "MixedKVCache"
 
@@ -109,6 +111,10 @@ class MixedCodec:
             if start == 0 and scheme.sink:
                 sink = min(scheme.sink, end)
                 specs[f"s{part}"] = TensorSpec((1, shape.heads, sink, dim), _SIXTEEN_STORED)
+            tail = tail_rows_at(end, scheme)
+            if tail:  # the last chunk of a cache: its 16-bit rows after the sink
+                shape_16 = (1, shape.heads, tail, dim)
+                specs[f"t{end}{part}"] = TensorSpec(shape_16, _SIXTEEN_STORED, optional=True)
         return specs
 
     def build(self, named: dict[str, mx.array], fmt: str) -> MixedKVCache:
@@ -155,7 +161,8 @@ def split_layers(tensors: dict, layers: int) -> list[dict]:
 def check_layer(i: int, named: dict, specs: dict[str, TensorSpec], previous: dict | None) -> None:
     """Layer `i` of a chunk holds exactly the tensors `specs` names, with their
     shapes and dtypes, and the dtypes of the chunk before it."""
-    if set(named) != set(specs):
+    required = {name for name, spec in specs.items() if not spec.optional}
+    if not required <= set(named) <= set(specs):
         raise CacheRejected(f"layer {i} has the wrong tensors")
     for name, array in named.items():
         spec = specs[name]
