@@ -25,6 +25,7 @@ Description: Desktop chat for local language models on MLX
  Conversations you reopen continue instantly: the model's KV cache is saved
  to disk. The first start offers to import a starter model (a GGUF file).
 CONTROL
-dpkg-deb --root-owner-group --build "$ROOTFS" "$OUT/reprise_${VERSION}_${ARCH}.deb" >/dev/null
+# gzip, not the default xz: 4x faster to build on a small machine, and every dpkg reads it.
+dpkg-deb --root-owner-group -Zgzip -z6 --build "$ROOTFS" "$OUT/reprise_${VERSION}_${ARCH}.deb" >/dev/null
 rm -rf "$ROOTFS"
 echo "built $OUT/reprise_${VERSION}_${ARCH}.deb"
