@@ -20,7 +20,7 @@ QT_DEBS := libegl1 libgl1 libfontconfig1 libdbus-1-3 libxkbcommon0 libxkbcommon-
 	libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxcb-shape0 libxcb-render-util0 \
 	libxcb-image0 fonts-dejavu-core
 
-.PHONY: setup run test lint openblas qt-libs clean package package-test
+.PHONY: setup run test lint openblas qt-libs clean package package-test pipx-test
 
 setup: $(INSTALLED) $(STARTER_GGUF) openblas qt-libs
 
@@ -85,6 +85,10 @@ package: setup $(PYINSTALLER)
 package-test: package
 	@command -v xvfb-run >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq xvfb xauth >/dev/null; }
 	sh packaging/linux/package_test.sh $(abspath $(STARTER_GGUF))
+
+# The wheel through pipx in a temporary PIPX_HOME, started from a fresh HOME (needs PyPI).
+pipx-test: setup
+	sh packaging/pipx_check.sh $(abspath $(STARTER_GGUF))
 
 clean:
 	rm -rf $(VENV) .cache build dist
