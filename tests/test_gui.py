@@ -56,7 +56,7 @@ def open_window(qtbot, library):
 
 def prefer(window, **changes):
     """Change preferences the way the window does: a request the worker saves."""
-    window.save_preferences_requested.emit(replace(window.preferences(), **changes))
+    window.ask_to_save(replace(window.preferences(), **changes))
 
 
 def send(qtbot, window, text, greedy_tokens=40):
@@ -165,7 +165,7 @@ def test_preferences_persist(qtbot, open_window):
     dialog.accept()
     saved = []
     window.engine.worker.preferences_saved.connect(saved.append)
-    window.save_preferences_requested.emit(dialog.chosen)
+    window.ask_to_save(dialog.chosen)
     qtbot.waitUntil(lambda: bool(saved), timeout=5_000)
     again = Preferences.load(Settings(open_db()))  # as the next start reads them
     assert (again.temperature, again.kv_bits, again.max_tokens, again.max_context) == (
@@ -261,6 +261,7 @@ HANDLERS = {  # every handler of a worker signal, by the class that has it
         "on_restored",
         "on_finished",
         "on_saved",
+        "on_preferences_saved",
         "on_changed",
         "on_failed",
         "on_busy",

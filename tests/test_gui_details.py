@@ -6,8 +6,8 @@ from __future__ import annotations
 from test_gui import library, open_window, prefer, send  # noqa: F401
 
 from app.ui.chat_view import ChatView
-from app.ui.main_window import export_name
 from app.ui.preferences import PreferencesDialog
+from app.ui.reading import export_name
 from app.ui.render import RenderedMessage
 
 

@@ -4,14 +4,12 @@ worker (which owns the `ChatService`, the one writer) for every change."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QElapsedTimer, Qt, QTimer, Signal, Slot
+from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (
-    QApplication,
     QComboBox,
     QFileDialog,
     QInputDialog,
@@ -19,7 +17,6 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QMessageBox,
     QProgressBar,
-    QProgressDialog,
     QSplitter,
     QToolBar,
     QVBoxLayout,
@@ -34,9 +31,11 @@ from app.ui.composer import Composer
 from app.ui.context_meter import ContextMeter
 from app.ui.menus import build_menus
 from app.ui.preferences import PreferencesDialog
+from app.ui.quitting import wait_for_worker
+from app.ui.reading import export_name, rendered_messages, sidebar_entries
 from app.ui.render import RenderedMessage
-from app.ui.sidebar import Sidebar, SidebarEntry, snippet
-from app.ui.turn_status import PROGRESS_AFTER_MS, TurnStatus
+from app.ui.sidebar import Sidebar
+from app.ui.turn_status import TurnStatus
 from app.worker import NEW_CONVERSATION, WorkerThread
 from sessions import paths
 from sessions.cachefiles import CacheIndex
@@ -50,15 +49,6 @@ if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the fi
 
 
 COUNT_AFTER_MS = 300
-# Characters no file name may hold on one of the systems the app runs on, and controls.
-_NOT_IN_FILE_NAMES = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]+')
-
-
-def export_name(title: str) -> str:
-    """A file name made from a chat's title: no path separators, no characters Windows or
-    macOS refuse, no leading dot (a hidden file), at most 80 characters."""
-    name = " ".join(_NOT_IN_FILE_NAMES.sub(" ", title).split()).lstrip(". ")[:80].strip()
-    return name or "chat"
 
 
 class MainWindow(QMainWindow):
@@ -84,6 +74,7 @@ class MainWindow(QMainWindow):
         self.store = ConversationStore(self.db)
         self.index = CacheIndex(self.db)
         self.conversation_id: int | None = None
+        self._asked: Preferences | None = None  # asked to be saved, not saved yet
         self.generating = False
 
         self.sidebar = Sidebar()
@@ -112,7 +103,19 @@ class MainWindow(QMainWindow):
         self.load_model_requested.emit(self.model_picker.currentText())
 
     def preferences(self) -> Preferences:
-        return Preferences.load(Settings(self.db))
+        """The preferences as the user last set them: the ones asked for and not yet
+        saved by the worker, or else the saved ones."""
+        return self._asked or Preferences.load(Settings(self.db))
+
+    def ask_to_save(self, prefs: Preferences) -> None:
+        """Each request builds on the one before, even before the worker has saved it."""
+        self._asked = prefs
+        self.save_preferences_requested.emit(prefs)
+
+    @Slot(object)
+    def on_preferences_saved(self, prefs: Preferences) -> None:
+        if prefs is self._asked:
+            self._asked = None
 
     # -- layout and wiring -----------------------------------------------------
 
@@ -159,6 +162,7 @@ class MainWindow(QMainWindow):
         ):
             request.connect(slot)
         worker.model_loaded.connect(self.on_model_loaded)
+        worker.preferences_saved.connect(self.on_preferences_saved)
         worker.conversation_started.connect(self.on_conversation_started)
         worker.restored.connect(self.on_restored)
         worker.text_delta.connect(self.chat.add_text)
@@ -201,7 +205,7 @@ class MainWindow(QMainWindow):
     @Slot()
     def on_model_picked(self) -> None:
         name = self.model_picker.currentText()
-        self.save_preferences_requested.emit(replace(self.preferences(), model=name))
+        self.ask_to_save(replace(self.preferences(), model=name))
         self.model_state.setText("Loading model…")
         self.model_loading_action.setVisible(True)
         self.load_model_requested.emit(name)
@@ -219,18 +223,7 @@ class MainWindow(QMainWindow):
     @Slot(str)
     def refresh_sidebar(self, *_args) -> None:
         query = self.sidebar.search.text().strip()
-        caches = {c["conversation_id"]: c for c in self.index.conversations_summary()}
-        if query:
-            seen: dict[int, SidebarEntry] = {}
-            for c, message in self.store.search(query):
-                if c.id not in seen:
-                    found = snippet(message.content, query)
-                    seen[c.id] = SidebarEntry(c.id, c.title, caches.get(c.id), c.updated, found)
-            entries = list(seen.values())
-        else:
-            entries = [
-                SidebarEntry(c.id, c.title, caches.get(c.id), c.updated) for c in self.store.list()
-            ]
+        entries = sidebar_entries(self.store, self.index, query)
         self.sidebar.show_conversations(entries, self.conversation_id)
 
     @Slot()
@@ -252,25 +245,7 @@ class MainWindow(QMainWindow):
         self.ask_context()
 
     def _rendered(self, conversation_id: int | None) -> list[RenderedMessage]:
-        if conversation_id is None:
-            return []
-        messages = self.store.get(conversation_id).messages
-        rendered = []
-        for i, m in enumerate(messages):
-            siblings = self.store.siblings(m.id)
-            index = [s.id for s in siblings].index(m.id) + 1
-            rendered.append(
-                RenderedMessage(
-                    m.id,
-                    m.role,
-                    m.content,
-                    m.state,
-                    (index, len(siblings)),
-                    is_last=i == len(messages) - 1,
-                    cut=m.state == "complete" and m.stats.get("finish_reason") == "length",
-                )
-            )
-        return rendered
+        return rendered_messages(self.store, conversation_id)
 
     # -- a turn --------------------------------------------------------------------
 
@@ -445,7 +420,7 @@ class MainWindow(QMainWindow):
         dialog = PreferencesDialog(self.preferences(), self.index.usage()[1], self)
         dialog.clear_caches_requested.connect(self.clear_caches_requested)
         if dialog.exec() and dialog.chosen is not None:
-            self.save_preferences_requested.emit(dialog.chosen)
+            self.ask_to_save(dialog.chosen)
 
     @Slot()
     def open_models(self) -> None:
@@ -459,18 +434,5 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:
         """Stop a reply, let the worker finish its save, then go."""
-        self.engine.worker.stop()
-        self.engine.thread.quit()
-        clock = QElapsedTimer()
-        clock.start()
-        waiting = None
-        while not self.engine.thread.wait(50):
-            if waiting is None and clock.elapsed() > PROGRESS_AFTER_MS:
-                waiting = QProgressDialog("Saving the conversation…", "", 0, 0, self)
-                waiting.setCancelButton(None)
-                waiting.setWindowModality(Qt.WindowModality.WindowModal)
-                waiting.show()
-            QApplication.processEvents()
-        if waiting is not None:
-            waiting.close()
+        wait_for_worker(self.engine, self)
         event.accept()
