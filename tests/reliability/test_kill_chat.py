@@ -1,0 +1,195 @@
+"""`reprise chat --conversation` killed for real (SIGKILL) at random points of a reply and
+of a cache save, then a new `reprise chat` on the same conversation: it opens, the reply
+cut short is marked "interrupted" with the text it had (a prefix of the reply the same
+turn gives when not killed), no temp file is left, every indexed chunk is whole, and the
+next turn answers.
+
+test_start_repairs.py checks the repairs themselves against stand-in writers; this file
+runs the real command. REPRISE_KILL_TRIALS sets the number of kills of each kind (default
+3), REPRISE_KILL_SEED the random seed (printed with every failure)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from sessions.cachefiles import CacheIndex
+from sessions.conversations import ConversationStore
+from sessions.db import open_db
+
+REPRISE = str(Path(sys.executable).with_name("reprise"))
+TRIALS = int(os.environ.get("REPRISE_KILL_TRIALS", "3"))
+SEED = int(os.environ.get("REPRISE_KILL_SEED", str(random.randrange(1 << 30))))
+# A greedy turn of the tiny random model that runs ~650 tokens before it stops: long
+# enough that a random kill often lands while it streams.
+MESSAGE = "hello"
+TURN = ("--max-tokens", "1500", "--temp", "0", "--json")
+NEXT_TURN = ("--max-tokens", "3", "--temp", "0", "--json", "and then?")
+
+# The real command, in a process that SIGKILLs itself a random few milliseconds after the
+# save opens its n-th chunk's temp file: the kill lands at a random point of the save
+# (writing, fsync, rename, the index rows, the next chunk) whatever the machine's speed.
+KILLED_IN_SAVE = textwrap.dedent("""
+    import os, signal, sys, threading
+    nth, delay_s = int(sys.argv[1]), float(sys.argv[2])
+    opened = 0
+
+    def kill_later(event, args):
+        global opened
+        if event == "open" and ".tmp-" in str(args[0]) and str(args[0]).endswith(".safetensors"):
+            opened += 1
+            if opened == nth:
+                kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+                threading.Timer(delay_s, kill).start()
+
+    sys.addaudithook(kill_later)
+    from app.cli import main
+    sys.exit(main(sys.argv[3:]))
+""")
+
+
+def chat_args(model: Path, conversation: str, message: str = MESSAGE) -> list[str]:
+    return ["chat", "--model", str(model), "--conversation", conversation, *TURN, message]
+
+
+def replies() -> list[tuple[str, str]]:
+    db = open_db(read_only=True)
+    return [
+        (row["state"], row["content"])
+        for row in db["messages"].rows_where("role = 'assistant'", order_by="id")
+    ]
+
+
+def leftover_temp_files() -> list[Path]:
+    return [p for p in CacheIndex(open_db(read_only=True)).root.rglob(".tmp-*")]
+
+
+def next_turn_works(conversation_id: int | None, model: Path, why: str) -> dict:
+    """A new process continues the conversation (or starts one, if none was stored);
+    then the state on disk is whole."""
+    conversation = "new" if conversation_id is None else str(conversation_id)
+    done = subprocess.run(
+        [REPRISE, "chat", "--model", str(model), "--conversation", conversation, *NEXT_TURN],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, f"{why}: {done.stderr[-2000:]}"
+    turn = json.loads(done.stdout)
+    assert turn["generated_tokens"] >= 1, why
+    assert conversation_id in (None, turn["conversation_id"]), why
+    assert leftover_temp_files() == [], why
+    assert CacheIndex(open_db(read_only=True)).verify() == [], why
+    states = [state for state, _ in replies()]
+    assert "streaming" not in states and states[-1] == "complete", f"{why}: {states}"
+    return turn
+
+
+@pytest.fixture
+def fresh_dirs(tmp_path, monkeypatch):
+    """A data and a cache folder of its own for each trial."""
+    count = 0
+
+    def make() -> None:
+        nonlocal count
+        count += 1
+        for name in ("data", "cache"):
+            monkeypatch.setenv(f"REPRISE_{name.upper()}_DIR", str(tmp_path / f"{count}" / name))
+
+    return make
+
+
+def test_a_reply_killed_at_random_points(tiny_model_dir, fresh_dirs):
+    rng = random.Random(SEED)
+    fresh_dirs()
+    started = time.monotonic()
+    whole = subprocess.run(
+        [REPRISE, *chat_args(tiny_model_dir, "new")], capture_output=True, text=True, timeout=300
+    )
+    full_run_s = time.monotonic() - started
+    assert whole.returncode == 0, whole.stderr
+    reference = json.loads(whole.stdout)["reply"]
+    assert len(reference) > 200  # a reply long enough to be cut
+
+    outcomes: Counter[str] = Counter()
+    for trial in range(TRIALS):
+        why = f"seed {SEED}, trial {trial}"
+        fresh_dirs()
+        child = subprocess.Popen(
+            [REPRISE, *chat_args(tiny_model_dir, "new")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(rng.uniform(0.2, 1.0) * full_run_s)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        outcomes[_check_after_a_kill(reference, tiny_model_dir, why)] += 1
+    print(f"reply kills (seed {SEED}): {dict(outcomes)}")
+
+
+def _check_after_a_kill(reference: str, model: Path, why: str) -> str:
+    """What the kill cut, checked; then the next turn on the conversation."""
+    conversations = [c.id for c in ConversationStore(open_db()).list()]
+    if not conversations:  # killed while starting: nothing stored, a new chat works
+        next_turn_works(None, model, why)
+        return "before the conversation was stored"
+    before = replies()
+    [conversation_id] = conversations
+    next_turn_works(conversation_id, model, why)
+    after = replies()
+    if not before:
+        return "before the reply began"
+    [(state_then, text)] = before
+    assert after[0][1] == text, f"{why}: the kept text changed"
+    assert reference.startswith(text), f"{why}: {text[-80:]!r} is not what was streamed"
+    if state_then == "streaming":
+        assert after[0][0] == "interrupted", why
+        return "mid-reply: marked interrupted"
+    assert state_then == "complete" and text == reference, why
+    return "after the reply: complete"
+
+
+def test_a_save_killed_at_random_points(tiny_model_dir, fresh_dirs):
+    rng = random.Random(SEED)
+    outcomes: Counter[str] = Counter()
+    for trial in range(TRIALS):
+        nth, delay_s = rng.randint(1, 3), rng.choice([0.0, rng.uniform(0, 0.03)])
+        why = f"seed {SEED}, trial {trial}: chunk {nth}, {delay_s * 1000:.1f} ms"
+        fresh_dirs()
+        killed = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                KILLED_IN_SAVE,
+                str(nth),
+                str(delay_s),
+                *chat_args(tiny_model_dir, "new"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        temp_files = leftover_temp_files()
+        if killed.returncode == 0:
+            outcomes["the save ended first"] += 1
+        else:
+            assert killed.returncode == -signal.SIGKILL, f"{why}: {killed.stderr[-2000:]}"
+            outcomes["temp file left" if temp_files else "between files"] += 1
+        [(state, _)] = replies()
+        assert state == "complete", why  # the reply is stored before its cache is saved
+        [conversation] = ConversationStore(open_db()).list()
+        turn = next_turn_works(conversation.id, tiny_model_dir, why)
+        assert turn["restore_source"] in ("memory", "disk", "recompute"), why
+    print(f"save kills (seed {SEED}): {dict(outcomes)}")
