@@ -95,25 +95,42 @@ NOT_UTF8 = {
     "encoded-surrogate": b"\xed\xa0\x80 surrogate",
     "truncated": b"cut \xe2\x82",
 }
+MESSAGE_NOT_UTF8 = b"reprise: the message is not valid UTF-8 text\n"
 
 
-def test_a_message_that_is_not_utf8_is_refused():
+def test_a_message_or_system_prompt_that_is_not_utf8_is_refused():
     """Each case a real process of its own, run side by side."""
+    cases = {case: (raw, MESSAGE_NOT_UTF8) for case, raw in NOT_UTF8.items()}
+    cases["--system"] = (b"hello", b"reprise: --system is not valid UTF-8 text\n")
     running = {
         case: subprocess.Popen(
-            [REPRISE, "chat", "--conversation", "new", raw],
+            [REPRISE, "chat", "--conversation", "new", message]
+            + (["--system", "caf\xe9".encode("latin-1")] if case == "--system" else []),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
-        for case, raw in NOT_UTF8.items()
+        for case, (message, _) in cases.items()
     }
     for case, process in running.items():
         _, err = process.communicate(timeout=300)
-        assert (process.returncode, err) == (
-            1,
-            b"reprise: the message is not valid UTF-8 text\n",
-        ), case
+        assert (process.returncode, err) == (1, cases[case][1]), case
     assert stored_conversations() == []
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("abc", "--conversation takes 'new' or a number, not 'abc'"),
+        ("1e3", "--conversation takes 'new' or a number, not '1e3'"),
+        ("0", "No conversation 0"),
+        ("-1", "No conversation -1"),
+        ("7", "No conversation 7"),
+        (str(2**64), f"No conversation {2**64}"),  # past SQLite's integers
+    ],
+)
+def test_a_conversation_that_is_not_there_is_named(value, message, capsys):
+    assert main(["chat", f"--conversation={value}", "hello"]) == 1
+    assert capsys.readouterr().err == f"reprise: {message}\n"
 
 
 @pytest.mark.parametrize("stdin_decoding", ["surrogateescape", "strict"])
