@@ -10,10 +10,12 @@ runs the real command. REPRISE_KILL_TRIALS sets the number of kills of each kind
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -23,9 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from sessions import paths
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
-from sessions.db import open_db
+from sessions.db import DB_NAME, open_db
 
 REPRISE = str(Path(sys.executable).with_name("reprise"))
 TRIALS = int(os.environ.get("REPRISE_KILL_TRIALS", "3"))
@@ -36,26 +39,37 @@ MESSAGE = "hello"
 TURN = ("--max-tokens", "1500", "--temp", "0", "--json")
 NEXT_TURN = ("--max-tokens", "3", "--temp", "0", "--json", "and then?")
 
-# The real command, in a process that SIGKILLs itself a random few milliseconds after the
-# save opens its n-th chunk's temp file: the kill lands at a random point of the save
-# (writing, fsync, rename, the index rows, the next chunk) whatever the machine's speed.
+# The real command, in a process that SIGKILLs itself during its cache save, at the n-th
+# chunk file: as its temp file is opened (nothing written yet), as the finished temp file
+# is renamed into place (written and synced, not yet the chunk), or a random few ms after
+# the open (writing, syncing, renaming, the index rows, the next chunk), whatever the
+# machine's speed. Python's audit events mark those moments.
 KILLED_IN_SAVE = textwrap.dedent("""
     import os, signal, sys, threading
-    nth, delay_s = int(sys.argv[1]), float(sys.argv[2])
-    opened = 0
+    nth, moment, delay_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    seen = {"open": 0, "os.rename": 0}
 
-    def kill_later(event, args):
-        global opened
-        if event == "open" and ".tmp-" in str(args[0]) and str(args[0]).endswith(".safetensors"):
-            opened += 1
-            if opened == nth:
-                kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
-                threading.Timer(delay_s, kill).start()
+    def kill():
+        os.kill(os.getpid(), signal.SIGKILL)
 
-    sys.addaudithook(kill_later)
+    def on_event(event, args):
+        if event not in seen or ".tmp-" not in str(args[0]):
+            return
+        if not str(args[0]).endswith(".safetensors"):
+            return
+        seen[event] += 1
+        if seen[event] != nth:
+            return
+        if moment == event:
+            kill()
+        elif moment == "later" and event == "open":
+            threading.Timer(delay_s, kill).start()
+
+    sys.addaudithook(on_event)
     from app.cli import main
-    sys.exit(main(sys.argv[3:]))
+    sys.exit(main(sys.argv[4:]))
 """)
+SAVE_MOMENTS = ("open", "os.rename", "later")
 
 
 def chat_args(model: Path, conversation: str, message: str = MESSAGE) -> list[str]:
@@ -110,30 +124,58 @@ def fresh_dirs(tmp_path, monkeypatch):
     return make
 
 
+STREAMED = "select length(content) from messages where state = 'streaming'"
+
+
+def wait_until_streamed(child: subprocess.Popen, chars: int, deadline_s: float = 300) -> float:
+    """Seconds until the child's reply has at least `chars` characters in the database
+    (it commits them at least every second); the child ending first fails the test."""
+    started = time.monotonic()
+    db_path = paths.data_dir() / DB_NAME
+    while time.monotonic() - started < deadline_s and child.poll() is None:
+        with (
+            contextlib.suppress(sqlite3.OperationalError),  # not made yet
+            contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as db,
+        ):
+            if any(length >= chars for (length,) in db.execute(STREAMED)):
+                return time.monotonic() - started
+        time.sleep(0.02)
+    raise AssertionError(f"the reply never streamed {chars} characters")
+
+
 def test_a_reply_killed_at_random_points(tiny_model_dir, fresh_dirs):
+    """One run unkilled gives the reply and how long the start takes; then a third of the
+    kills land at a random moment of the start (imports, model, database, prompt), the
+    rest once the reply has streamed a random share of its text, a random moment later."""
     rng = random.Random(SEED)
     fresh_dirs()
-    started = time.monotonic()
-    whole = subprocess.run(
-        [REPRISE, *chat_args(tiny_model_dir, "new")], capture_output=True, text=True, timeout=300
+    whole = subprocess.Popen(
+        [REPRISE, *chat_args(tiny_model_dir, "new")], stdout=subprocess.PIPE, text=True
     )
-    full_run_s = time.monotonic() - started
-    assert whole.returncode == 0, whole.stderr
-    reference = json.loads(whole.stdout)["reply"]
-    assert len(reference) > 200  # a reply long enough to be cut
+    start_s = wait_until_streamed(whole, 1)
+    reference = json.loads(whole.communicate(timeout=300)[0])["reply"]
+    assert whole.returncode == 0 and len(reference) > 200  # a reply long enough to cut
 
     outcomes: Counter[str] = Counter()
     for trial in range(TRIALS):
-        why = f"seed {SEED}, trial {trial}"
         fresh_dirs()
         child = subprocess.Popen(
             [REPRISE, *chat_args(tiny_model_dir, "new")],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        time.sleep(rng.uniform(0.2, 1.0) * full_run_s)
+        if trial % 3 == 0:
+            delay_s = rng.uniform(0, start_s)
+            at = f"{delay_s:.2f} s after the start"
+        else:
+            chars = rng.randrange(1, len(reference) * 9 // 10)
+            wait_until_streamed(child, chars)
+            delay_s = rng.uniform(0, 0.2)
+            at = f"{delay_s:.2f} s after {chars} characters streamed"
+        time.sleep(delay_s)
         child.send_signal(signal.SIGKILL)
         child.wait()
+        why = f"seed {SEED}, trial {trial}, killed {at}"
         outcomes[_check_after_a_kill(reference, tiny_model_dir, why)] += 1
     print(f"reply kills (seed {SEED}): {dict(outcomes)}")
 
@@ -164,8 +206,8 @@ def test_a_save_killed_at_random_points(tiny_model_dir, fresh_dirs):
     rng = random.Random(SEED)
     outcomes: Counter[str] = Counter()
     for trial in range(TRIALS):
-        nth, delay_s = rng.randint(1, 3), rng.choice([0.0, rng.uniform(0, 0.03)])
-        why = f"seed {SEED}, trial {trial}: chunk {nth}, {delay_s * 1000:.1f} ms"
+        nth, moment, delay_s = rng.randint(1, 3), SAVE_MOMENTS[trial % 3], rng.uniform(0, 0.03)
+        why = f"seed {SEED}, trial {trial}: chunk {nth}, at {moment} ({delay_s * 1000:.1f} ms)"
         fresh_dirs()
         killed = subprocess.run(
             [
@@ -173,6 +215,7 @@ def test_a_save_killed_at_random_points(tiny_model_dir, fresh_dirs):
                 "-c",
                 KILLED_IN_SAVE,
                 str(nth),
+                moment,
                 str(delay_s),
                 *chat_args(tiny_model_dir, "new"),
             ],
@@ -181,12 +224,14 @@ def test_a_save_killed_at_random_points(tiny_model_dir, fresh_dirs):
             timeout=300,
             check=False,
         )
-        temp_files = leftover_temp_files()
+        left = "a temp file left" if leftover_temp_files() else "no temp file left"
         if killed.returncode == 0:
-            outcomes["the save ended first"] += 1
+            outcomes[f"the save ended before chunk {nth}"] += 1
         else:
             assert killed.returncode == -signal.SIGKILL, f"{why}: {killed.stderr[-2000:]}"
-            outcomes["temp file left" if temp_files else "between files"] += 1
+            outcomes[f"killed at {moment}: {left}"] += 1
+            if moment == "os.rename":
+                assert left == "a temp file left", why
         [(state, _)] = replies()
         assert state == "complete", why  # the reply is stored before its cache is saved
         [conversation] = ConversationStore(open_db()).list()
