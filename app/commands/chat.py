@@ -221,19 +221,16 @@ def _read_line(interactive: bool, number: int) -> str:
     Piped input is read as bytes and decoded line by line, so a line that is not
     UTF-8 is named exactly, whatever decoding the platform set on stdin."""
     where = f"input line {number}"
-    if interactive:
-        try:
+    try:
+        if interactive:
             text = input("> ")
-        except KeyboardInterrupt:
-            raise EOFError from None
-        except UnicodeDecodeError:
-            raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
-    else:
-        raw = sys.stdin.buffer.readline()
-        if not raw:
-            raise EOFError
-        try:
+        else:
+            raw = sys.stdin.buffer.readline()
+            if not raw:
+                raise EOFError
             text = raw.removesuffix(b"\n").decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
+    except KeyboardInterrupt:
+        raise EOFError from None
+    except UnicodeDecodeError:
+        raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
     return checked_message(text, where) if text.strip() else text
