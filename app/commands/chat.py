@@ -58,8 +58,8 @@ class InvalidMessage(UserError):
     """A message that cannot be sent: empty, or not text."""
 
 
-def checked_message(text: str, where: str = "the message") -> str:
-    """`text` if it can be sent; `InvalidMessage` if not.
+def checked_text(text: str, where: str) -> str:
+    """`text` if it is text; `InvalidMessage` if not.
 
     Python decodes argv and stdin bytes that are not UTF-8 into lone surrogates
     (surrogateescape); they would reach the tokenizer and the database as text
@@ -69,9 +69,25 @@ def checked_message(text: str, where: str = "the message") -> str:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
-    if not text.strip():
+    return text
+
+
+def checked_message(text: str, where: str = "the message") -> str:
+    """`text` if it can be sent: text, and not only white space."""
+    if not checked_text(text, where).strip():
         raise InvalidMessage(f"{where} is empty; type something to send")
     return text
+
+
+def conversation_id_from(value: str) -> int:
+    """The number `--conversation` names; NotFound for what cannot be one."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise NotFound(f"--conversation takes 'new' or a number, not {value!r}") from None
+    if not 1 <= number < 2**63:  # SQLite's ids; a larger number would overflow the query
+        raise NotFound(f"No conversation {number}")
+    return number
 
 
 # Each generation flag and the preference it overrides (argparse's dest: field).
@@ -130,6 +146,8 @@ def print_turn(events: Iterator, as_json: bool, model: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.message is not None:
         checked_message(args.message)
+    if args.system is not None:
+        checked_text(args.system, "--system")
     service = ChatService(open_db())
     prefs = preferences_from_args(service.preferences(), args)
     if args.conversation is None:
@@ -139,13 +157,7 @@ def run(args: argparse.Namespace) -> int:
         engine = service.load_model(prefs.model)
         conversation = service.create_conversation(engine.loaded.name, args.system)
     else:
-        try:
-            conversation_id = int(args.conversation)
-        except ValueError:
-            raise NotFound(
-                f"--conversation takes 'new' or a number, not {args.conversation!r}"
-            ) from None
-        conversation = service.store.get(conversation_id)
+        conversation = service.store.get(conversation_id_from(args.conversation))
         engine = service.load_model(args.model or conversation.model)
     if not args.json:
         print(f"Conversation {conversation.id}", file=sys.stderr)
@@ -215,19 +227,16 @@ def _read_line(interactive: bool, number: int) -> str:
     Piped input is read as bytes and decoded line by line, so a line that is not
     UTF-8 is named exactly, whatever decoding the platform set on stdin."""
     where = f"input line {number}"
-    if interactive:
-        try:
+    try:
+        if interactive:
             text = input("> ")
-        except KeyboardInterrupt:
-            raise EOFError from None
-        except UnicodeDecodeError:
-            raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
-    else:
-        raw = sys.stdin.buffer.readline()
-        if not raw:
-            raise EOFError
-        try:
+        else:
+            raw = sys.stdin.buffer.readline()
+            if not raw:
+                raise EOFError
             text = raw.removesuffix(b"\n").decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
+    except KeyboardInterrupt:
+        raise EOFError from None
+    except UnicodeDecodeError:
+        raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
     return checked_message(text, where) if text.strip() else text

@@ -7,9 +7,13 @@ in this process, where an exception other than a user error would fail the test.
 
 from __future__ import annotations
 
+import json
 import os
+import pty
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,25 +99,42 @@ NOT_UTF8 = {
     "encoded-surrogate": b"\xed\xa0\x80 surrogate",
     "truncated": b"cut \xe2\x82",
 }
+MESSAGE_NOT_UTF8 = b"reprise: the message is not valid UTF-8 text\n"
 
 
-def test_a_message_that_is_not_utf8_is_refused():
+def test_a_message_or_system_prompt_that_is_not_utf8_is_refused():
     """Each case a real process of its own, run side by side."""
+    cases = {case: (raw, MESSAGE_NOT_UTF8) for case, raw in NOT_UTF8.items()}
+    cases["--system"] = (b"hello", b"reprise: --system is not valid UTF-8 text\n")
     running = {
         case: subprocess.Popen(
-            [REPRISE, "chat", "--conversation", "new", raw],
+            [REPRISE, "chat", "--conversation", "new", message]
+            + (["--system", "caf\xe9".encode("latin-1")] if case == "--system" else []),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
-        for case, raw in NOT_UTF8.items()
+        for case, (message, _) in cases.items()
     }
     for case, process in running.items():
         _, err = process.communicate(timeout=300)
-        assert (process.returncode, err) == (
-            1,
-            b"reprise: the message is not valid UTF-8 text\n",
-        ), case
+        assert (process.returncode, err) == (1, cases[case][1]), case
     assert stored_conversations() == []
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("abc", "--conversation takes 'new' or a number, not 'abc'"),
+        ("1e3", "--conversation takes 'new' or a number, not '1e3'"),
+        ("0", "No conversation 0"),
+        ("-1", "No conversation -1"),
+        ("7", "No conversation 7"),
+        (str(2**64), f"No conversation {2**64}"),  # past SQLite's integers
+    ],
+)
+def test_a_conversation_that_is_not_there_is_named(value, message, capsys):
+    assert main(["chat", f"--conversation={value}", "hello"]) == 1
+    assert capsys.readouterr().err == f"reprise: {message}\n"
 
 
 @pytest.mark.parametrize("stdin_decoding", ["surrogateescape", "strict"])
@@ -140,3 +161,51 @@ def test_piped_input_stops_at_its_first_line_that_is_not_utf8(tiny_model_dir, st
     )
     assert [m["role"] for m in messages] == ["user", "assistant"] * 2
     assert [m["content"] for m in messages[::2]] == ["first", "second \u00e9"]
+
+
+def test_an_interactive_chat_names_a_bad_line_and_goes_on(tiny_model_dir):
+    """At a terminal (a real pseudo-terminal), a line that is not UTF-8 gets a message
+    and the prompt again; the next line is answered; Ctrl-D ends the chat."""
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(
+        [REPRISE, "chat", "--model", str(tiny_model_dir), "--max-tokens", "3", "--json"],
+        stdin=terminal,
+        stdout=terminal,
+        stderr=subprocess.PIPE,
+    )
+    os.close(terminal)
+    os.write(controller, b"caf\xe9\nhello\n\x04")
+    shown = _read_until_closed(controller)
+    assert process.wait(timeout=300) == 0
+    err = process.stderr.read()  # Python writes the "> " prompt here
+    assert err.replace(b"> ", b"") == b"reprise: input line 1 is not valid UTF-8 text\n"
+    [reply] = [line for line in shown.splitlines() if b'"reply"' in line]
+    assert json.loads(reply[reply.index(b"{") :])["generated_tokens"] >= 1
+
+
+def test_ctrl_c_at_a_piped_prompt_ends_the_chat(tiny_model_dir):
+    process = subprocess.Popen(
+        [REPRISE, "chat", "--model", str(tiny_model_dir), "--conversation", "new"],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stderr.readline().startswith(b"Conversation ")
+    time.sleep(1)  # waiting for a line
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=300) == 0
+    assert process.stderr.read() == b""
+
+
+def _read_until_closed(fd: int) -> bytes:
+    """What the program wrote to its terminal, until it closed it."""
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # EIO: the other side is closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(fd)
+    return out

@@ -1,6 +1,6 @@
 """Crafted GGUF files, each damaged in one field, imported for real: every one is refused by
 our reader with a message naming what is wrong, before mlx reads it (some of these make
-mlx's own reader crash the process: a huge tensor count segfaults it, five dimensions
+mlx's own reader crash the process: a huge tensor count segfaults it, nine dimensions
 abort it), and nothing is left in the models folder."""
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ CASES = {
     ),
     "no dimensions": (lambda g: _tensor(g, NORM, dims=[]), "0 dimensions"),
     "five dimensions": (lambda g: _tensor(g, NORM, dims=[128, 1, 1, 1, 1]), "5 dimensions"),
+    "nine dimensions": (lambda g: _tensor(g, NORM, dims=[128, *[1] * 8]), "9 dimensions"),
     "an empty dimension": (lambda g: _tensor(g, EMBED, dims=[128, 0]), "empty dimension"),
     "a dimension of 2^40": (lambda g: _tensor(g, EMBED, dims=[128, 2**40]), "past the end"),
     "a dimension of 2^64-1": (
