@@ -20,7 +20,7 @@ QT_DEBS := libegl1 libgl1 libfontconfig1 libdbus-1-3 libxkbcommon0 libxkbcommon-
 	libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxcb-shape0 libxcb-render-util0 \
 	libxcb-image0 fonts-dejavu-core
 
-.PHONY: setup run test lint openblas qt-libs clean
+.PHONY: setup run test lint openblas qt-libs clean package package-test pipx-test
 
 setup: $(INSTALLED) $(STARTER_GGUF) openblas qt-libs
 
@@ -70,5 +70,25 @@ lint: $(INSTALLED)
 test: setup lint
 	REPRISE_STARTER_GGUF=$(abspath $(STARTER_GGUF)) $(BIN)/python -m pytest
 
+# The Linux bundle (packaging/linux/): PyInstaller one folder, wrapped as an AppImage
+# when appimagetool is installed, else a .deb (dpkg-deb). Output in dist/.
+PYINSTALLER := $(VENV)/.pyinstaller
+$(PYINSTALLER): $(INSTALLED)
+	$(BIN)/python -m pip install -q pyinstaller==6.22.3 pyinstaller-hooks-contrib==2026.9
+	touch $@
+
+package: setup $(PYINSTALLER)
+	PY=$(BIN)/python sh packaging/linux/build.sh
+
+# Starts the built app in a clean environment under Xvfb: first-start import of the
+# starter model, one turn, exit 0; screenshots in dist/package-test/.
+package-test: package
+	@command -v xvfb-run >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq xvfb xauth >/dev/null; }
+	sh packaging/linux/package_test.sh $(abspath $(STARTER_GGUF))
+
+# The wheel through pipx in a temporary PIPX_HOME, started from a fresh HOME (needs PyPI).
+pipx-test: setup
+	sh packaging/pipx_check.sh $(abspath $(STARTER_GGUF))
+
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .cache build dist

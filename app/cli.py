@@ -47,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"reprise {__version__}")
     commands = parser.add_subparsers(dest="command")
 
+    _add_chat(commands)
+    _add_store_commands(commands)
+    _add_model_commands(commands)
+    _add_bench_commands(commands)
+    return parser
+
+
+def _add_chat(commands) -> None:
     chat = commands.add_parser("chat", help="chat in the terminal")
     chat.add_argument("message", nargs="?", help="send one message and print the reply")
     chat.add_argument(
@@ -56,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_generation_options(chat)
 
+
+def _add_store_commands(commands) -> None:
     convs = commands.add_parser("conversations", help="stored conversations")
     conv_commands = convs.add_subparsers(dest="conversations_command", required=True)
     conv_list = conv_commands.add_parser("list", help="newest first")
@@ -82,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache_export.add_argument("id", type=int)
     cache_export.add_argument("out")
 
+
+def _add_model_commands(commands) -> None:
     models = commands.add_parser("models", help="list and import models")
     model_commands = models.add_subparsers(dest="models_command", required=True)
     listing = model_commands.add_parser("list", help="installed models")
@@ -95,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     delete = model_commands.add_parser("delete", help="delete an installed model")
     delete.add_argument("name")
 
+
+def _add_bench_commands(commands) -> None:
     bench = commands.add_parser("bench", help="measure the engine")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     cpu = bench_commands.add_parser("cpu", help="engine vs plain mlx-lm, prefill and decode")
@@ -122,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     speed.add_argument("--steps", type=int, default=64, help="decode steps timed per mode")
     speed.add_argument("--json", action="store_true")
-    return parser
+    ui = bench_commands.add_parser("ui", help="the window offscreen: first paint, streaming")
+    ui.add_argument("--json", action="store_true")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +194,7 @@ def _models(args: argparse.Namespace) -> int:
             print(f"{m.name:40} {m.size_bytes / 1e6:8.1f} MB  {m.architecture:8} {m.quantization}")
         return 0
     if args.models_command == "import-gguf":
-        from app.engine.gguf_import import import_gguf
+        from app.engine.gguf_child import import_in_child
 
         name = args.name or args.path.stem
         if args.if_missing and models.read_info(models_dir / name):
@@ -189,7 +204,7 @@ def _models(args: argparse.Namespace) -> int:
         def progress(stage: str, done: int, total: int) -> None:
             print(f"[{done}/{total}] {stage}", file=sys.stderr)
 
-        imported = import_gguf(args.path, models_dir, name, progress)
+        imported = import_in_child(args.path, models_dir, name, progress)
         print(f"Imported {imported.name} into {imported.path}")
         return 0
     if args.models_command == "delete":
@@ -208,6 +223,10 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench import kv_speed
 
         return kv_speed.main(args)
+    if args.bench_command == "ui":
+        from app.bench import ui
+
+        return ui.main(args)
     if args.bench_command == "kv":
         from app.bench import kv_quality
 

@@ -13,16 +13,17 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
-from app.engine.errors import UserError
-from app.engine.generation import PromptProgress, TextDelta
-from app.service.chat import ChatService
-from app.service.preferences import Preferences
 from sessions import paths
 from sessions.db import open_db
+from sessions.errors import UserError
+
+if TYPE_CHECKING:  # imported on the worker's thread, once the window is on screen
+    from app.service.chat import ChatService
+    from app.service.preferences import Preferences
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class EngineWorker(QObject):
     changed = Signal(int)  # a conversation (0: several) was changed; read it again
     preferences_saved = Signal(object)  # Preferences
     failed = Signal(str)  # a message for the user
+    context_counted = Signal(object)  # ContextUse
     busy_changed = Signal(bool)
     import_progress = Signal(str, int, int)  # stage, done, total
     download_progress = Signal(int, int, str)  # bytes done, bytes in all, file
@@ -51,8 +53,12 @@ class EngineWorker(QObject):
         self._service: ChatService | None = None
 
     def service(self) -> ChatService:
-        """Made on first use, so its connection belongs to this thread."""
+        """Made on first use, so its connection belongs to this thread. The engine (mlx,
+        mlx-lm, transformers: seconds of imports) is imported here too, on this thread,
+        so the window paints at once."""
         if self._service is None:
+            from app.service.chat import ChatService
+
             self._service = ChatService(open_db())
             self._service.repair()
         return self._service
@@ -89,14 +95,15 @@ class EngineWorker(QObject):
 
     @Slot(str, str)
     def import_gguf(self, path: str, name: str) -> None:
-        """Import a GGUF file into the library (mlx reads it, so it runs here)."""
-        from app.engine.gguf_import import import_gguf
+        """Import a GGUF file into the library, in a child process: a crash in a native
+        loader there is a message here, and the window lives on."""
+        from app.engine.gguf_child import import_in_child
 
         def report(stage: str, done: int, total: int) -> None:
             self.import_progress.emit(stage, done, total)
 
         self._add_model(
-            lambda: import_gguf(Path(path), paths.models_dir(), name or None, report).path
+            lambda: import_in_child(Path(path), paths.models_dir(), name or None, report).path
         )
 
     @Slot(str)
@@ -150,6 +157,19 @@ class EngineWorker(QObject):
     def edit(self, message_id: int, text: str) -> None:
         self._run(lambda: self.service().edit(message_id, text, should_stop=self._stop.is_set))
 
+    @Slot(int)
+    def continue_reply(self, message_id: int) -> None:
+        self._run(lambda: self.service().continue_reply(message_id, should_stop=self._stop.is_set))
+
+    @Slot(int, str)
+    def count_context(self, conversation_id: int, draft: str) -> None:
+        """The chat's and the draft's tokens (the tokenizer lives here, with the model)."""
+        cid = None if conversation_id == NEW_CONVERSATION else conversation_id
+        self._attempt(
+            "Counting tokens",
+            lambda: self.context_counted.emit(self.service().context_use(cid, draft)),
+        )
+
     def _run(self, start: Callable[[], Iterator]) -> None:
         self._stop.clear()
         self.busy_changed.emit(True)
@@ -159,6 +179,9 @@ class EngineWorker(QObject):
             self.busy_changed.emit(False)
 
     def _forward(self, events: Iterator) -> None:
+        from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+        from app.engine.generation import PromptProgress, TextDelta
+
         for event in events:
             if isinstance(event, TextDelta):
                 self.text_delta.emit(event.text)

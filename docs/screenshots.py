@@ -23,6 +23,7 @@ from PySide6.QtCore import QTimer  # noqa: E402
 from PySide6.QtWidgets import QApplication, QTabWidget  # noqa: E402
 
 import app.engine  # noqa: E402,F401  (OpenBLAS first)
+from app.service.preferences import Preferences  # noqa: E402
 from app.ui.models_dialog import ModelsDialog  # noqa: E402
 from app.ui.preferences import PreferencesDialog  # noqa: E402
 from sessions.conversations import ConversationStore  # noqa: E402
@@ -52,8 +53,7 @@ def seed() -> None:
     demo = store.create("SmolLM2-135M-Instruct")
     question = store.add_message(demo.id, "user", "How do I reverse a string in Python?")
     store.add_message(demo.id, "assistant", SEEDED_REPLY, parent_id=question.id)
-    Settings(db).set("temperature", 0.0)
-    Settings(db).set("max_tokens", 120)
+    Preferences(temperature=0.0, max_tokens=120).save(Settings(db))
 
 
 def main() -> None:
@@ -95,7 +95,7 @@ def main() -> None:
             return
         window.chat.verticalScrollBar().setValue(0)
         shot("main-window.png")
-        prefs = PreferencesDialog(window.settings, window.index.usage()[1], window)
+        prefs = PreferencesDialog(window.preferences(), window.index.usage()[1], window)
         prefs.show()
         prefs.findChildren(QTabWidget)[0].setCurrentIndex(1)  # Memory
         prefs.kv_bits.setCurrentIndex(2)  # 4-bit, with its measured trade-off
@@ -104,9 +104,31 @@ def main() -> None:
     def models():
         dialog = ModelsDialog(window.engine.worker, window)
         dialog.show()
-        QTimer.singleShot(
-            400, lambda: (shot("models.png", dialog), dialog.close(), window.close(), qapp.quit())
-        )
+        QTimer.singleShot(400, lambda: (shot("models.png", dialog), dialog.close(), cut_reply()))
+
+    def cut_reply():
+        """A reply cut by the length limit: marked, with Continue; the context meter."""
+        from dataclasses import replace
+
+        window.save_preferences_requested.emit(replace(window.preferences(), max_tokens=24))
+        window.new_chat()
+        window.composer.edit.setPlainText("Write a story about a lighthouse keeper.")
+        window.composer.edit.submitted.emit()
+        QTimer.singleShot(300, wait_cut)
+
+    def wait_cut():
+        if window.generating:
+            QTimer.singleShot(200, wait_cut)
+            return
+        window.composer.edit.setPlainText("And what happened next, in the keeper's own words?")
+        QTimer.singleShot(1500, lambda: (shot("cut-reply.png"), too_long()))
+
+    def too_long():
+        from dataclasses import replace
+
+        window.save_preferences_requested.emit(replace(window.preferences(), max_context=200))
+        window.composer.edit.setPlainText("Summarise this page: " + "lorem ipsum dolor " * 60)
+        QTimer.singleShot(1500, lambda: (shot("context-warning.png"), window.close(), qapp.quit()))
 
     QTimer.singleShot(300, wait_ready)
     qapp.exec()

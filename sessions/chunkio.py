@@ -46,9 +46,10 @@ from sessions.safetensors_header import (
     parse_header,
 )
 
+# 3: a float32 cache of a 16-bit model is stored in 16 bits (its kv_format says which).
 # 2: our own header checks, and one xxh3 checksum over header and data (1 was a CRC-32 of
 # the tensor bytes only). A file of another version is rejected, and the turn recomputes.
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"
 FORMAT_KEY = "reprise.format"
 TMP_PREFIX = ".tmp-"
 _TMP_NAME = re.compile(r"\.tmp-(\d+)-.+")

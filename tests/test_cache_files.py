@@ -422,3 +422,23 @@ def test_export_refuses_clearly(tiny_model, saved_conversation, tmp_path):
         check=False,
     )
     assert done.returncode == 1 and "No conversation 999" in done.stderr, done.stderr
+
+
+def test_a_16_bit_model_computed_in_float32_is_saved_in_16_bits(tiny_model, saved_conversation):
+    """The CPU path computes in float32; the file holds the model's own 16 bits, half the
+    bytes, and the restored cache is float32 again and equal to the saved one rounded."""
+    engine = new_engine(tiny_model)
+    assert engine.kvstore.sixteen_bit in ("float16", "bfloat16")
+    entry = engine.index.conversation(saved_conversation)
+    assert entry.kv_format == engine.kvstore.sixteen_bit
+    row = engine.index.chunk(entry.chunk_keys[0])
+    tensors, _ = read_file(path_from_url(row["url"]), {})
+    assert {str(t.dtype) for t in tensors.values()} == {"float16"} or entry.kv_format == "bfloat16"
+    result = engine.kvstore.restore(entry, len(entry.tokens))
+    assert result.rejected is None
+    assert all(layer.keys.dtype == mx.float32 for layer in result.cache)
+    live = ChatSession(tiny_model)
+    *_, _finished = live.generate(entry.tokens[:-1], sampling=SamplingSettings.greedy(1))
+    first = live.cache[0].keys[..., :CHUNK, :]
+    restored = result.cache[0].keys[..., :CHUNK, :]
+    assert mx.allclose(restored, first.astype(mx.float16).astype(mx.float32), atol=1e-3).item()

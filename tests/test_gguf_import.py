@@ -51,7 +51,7 @@ def test_truncated_gguf_is_refused_and_leaves_nothing(tmp_path):
     whole = tiny.write_gguf(tmp_path / "whole.gguf").read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(GGUFImportError, match="could not be read"):
+    with pytest.raises(GGUFImportError, match="past the end of the file"):
         import_gguf(cut, tmp_path / "models", "cut")
     assert _leaves_nothing(tmp_path / "models")
 
@@ -118,3 +118,30 @@ def test_an_interrupted_import_leaves_no_folder(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         import_gguf(gguf, tmp_path / "models", "tiny")
     assert _leaves_nothing(tmp_path / "models")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("llama.block_count", "two", "llama.block_count is not a number"),
+        ("llama.embedding_length", mx.array([1, 2], dtype=mx.uint32), "is not a number"),
+        ("llama.attention.head_count", mx.array(0, dtype=mx.uint32), r"head_count \(0\) is not"),
+        ("llama.attention.layer_norm_rms_epsilon", mx.array(float("nan")), "is not a number"),
+        ("tokenizer.ggml.merges", ["a b c"], "merge 'a b c' is not two tokens"),
+        ("tokenizer.ggml.merges", ["x y"], "tokenizer could not be built"),
+    ],
+)
+def test_metadata_of_the_wrong_kind_is_refused_clearly(tmp_path, key, value, message):
+    gguf = tiny.write_gguf(tmp_path / "odd.gguf", **{key: value})
+    with pytest.raises(GGUFImportError, match=message):
+        import_gguf(gguf, tmp_path / "models")
+    assert _leaves_nothing(tmp_path / "models")
+
+
+def test_special_token_ids_past_the_vocabulary_are_ignored(tmp_path):
+    gguf = tiny.write_gguf(
+        tmp_path / "ids.gguf", **{"tokenizer.ggml.bos_token_id": mx.array(10**6, dtype=mx.uint32)}
+    )
+    imported = import_gguf(gguf, tmp_path / "models", "ids")
+    config = json.loads((imported.path / "tokenizer_config.json").read_text())
+    assert config["bos_token"] is None and config["eos_token"] == "<|im_end|>"

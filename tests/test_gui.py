@@ -56,7 +56,7 @@ def open_window(qtbot, library):
 
 def prefer(window, **changes):
     """Change preferences the way the window does: a request the worker saves."""
-    window.save_preferences_requested.emit(replace(window.preferences(), **changes))
+    window.ask_to_save(replace(window.preferences(), **changes))
 
 
 def send(qtbot, window, text, greedy_tokens=40):
@@ -165,7 +165,7 @@ def test_preferences_persist(qtbot, open_window):
     dialog.accept()
     saved = []
     window.engine.worker.preferences_saved.connect(saved.append)
-    window.save_preferences_requested.emit(dialog.chosen)
+    window.ask_to_save(dialog.chosen)
     qtbot.waitUntil(lambda: bool(saved), timeout=5_000)
     again = Preferences.load(Settings(open_db()))  # as the next start reads them
     assert (again.temperature, again.kv_bits, again.max_tokens, again.max_context) == (
@@ -261,12 +261,14 @@ HANDLERS = {  # every handler of a worker signal, by the class that has it
         "on_restored",
         "on_finished",
         "on_saved",
+        "on_preferences_saved",
         "on_changed",
         "on_failed",
         "on_busy",
+        "on_context_counted",
     },
     ChatView: {"add_text"},
-    TurnStatus: {"on_first_text", "on_prompt_progress"},
+    TurnStatus: {"on_first_text", "on_text", "on_prompt_progress"},
 }
 # What the handlers change on screen, patched to note the thread that changes it.
 WIDGET_CHANGES = [
@@ -317,3 +319,15 @@ def test_every_worker_signal_is_handled_on_the_gui_thread(qtbot, open_window, mo
     qtbot.waitUntil(lambda: "No message" in window.status.message.text(), timeout=5_000)
     assert {"QLabel.setText", "QTextEdit.setHtml", "QListWidget.addItem"} <= set(threads)
     assert set().union(*threads.values()) == {threading.main_thread().ident}
+
+
+def test_the_terminal_replies_as_the_window_does(qtbot, open_window):
+    """Same saved preferences, same message: `reprise chat` gives the window's reply."""
+    from test_cli import reprise
+
+    window = open_window()
+    send(qtbot, window, "Name three rivers.", greedy_tokens=24)
+    in_window = window.store.get(window.conversation_id).messages[-1].content
+    done = reprise("chat", "--conversation", "new", "--json", "Name three rivers.")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["reply"] == in_window

@@ -11,6 +11,7 @@ stay consistent); Ctrl-C or Ctrl-D at the prompt ends the chat.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import sys
@@ -25,6 +26,7 @@ from app.service.chat import ChatService
 from app.service.preferences import Preferences
 from sessions.conversations import NotFound
 from sessions.db import open_db
+from sessions.errors import UserError
 
 Turn = Callable[[str, Callable[[], bool]], Iterator]
 
@@ -52,21 +54,63 @@ def ctrl_c_stops(flag: StopFlag):
         signal.signal(signal.SIGINT, previous)
 
 
+class InvalidMessage(UserError):
+    """A message that cannot be sent: empty, or not text."""
+
+
+def checked_text(text: str, where: str) -> str:
+    """`text` if it is text; `InvalidMessage` if not.
+
+    Python decodes argv and stdin bytes that are not UTF-8 into lone surrogates
+    (surrogateescape); they would reach the tokenizer and the database as text
+    that is not text, so they are refused here, before anything is loaded or stored.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
+    return text
+
+
+def checked_message(text: str, where: str = "the message") -> str:
+    """`text` if it can be sent: text, and not only white space."""
+    if not checked_text(text, where).strip():
+        raise InvalidMessage(f"{where} is empty; type something to send")
+    return text
+
+
+def conversation_id_from(value: str) -> int:
+    """The number `--conversation` names; NotFound for what cannot be one."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise NotFound(f"--conversation takes 'new' or a number, not {value!r}") from None
+    if not 1 <= number < 2**63:  # SQLite's ids; a larger number would overflow the query
+        raise NotFound(f"No conversation {number}")
+    return number
+
+
+# Each generation flag and the preference it overrides (argparse's dest: field).
+FLAG_FIELDS = {
+    "model": "model",
+    "system": "system_prompt",
+    "temp": "temperature",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_tokens": "max_tokens",
+    "seed": "seed",
+    "kv_bits": "kv_bits",
+    "kv_group_size": "kv_group_size",
+    "quantized_kv_start": "quantized_kv_start",
+    "max_context": "max_context",
+}
+
+
 def preferences_from_args(saved: Preferences, args: argparse.Namespace) -> Preferences:
     """The saved preferences, with each flag that was given in place of its value."""
     prefs = saved.with_overrides(
-        model=args.model,
-        system_prompt=args.system,
-        temperature=args.temp,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size,
-        quantized_kv_start=args.quantized_kv_start,
-        max_context=args.max_context,
+        **{field: getattr(args, flag) for flag, field in FLAG_FIELDS.items()}
     )
     return replace(prefs, kv_bits=None) if args.no_kv_quantization else prefs
 
@@ -100,6 +144,10 @@ def print_turn(events: Iterator, as_json: bool, model: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.message is not None:
+        checked_message(args.message)
+    if args.system is not None:
+        checked_text(args.system, "--system")
     service = ChatService(open_db())
     prefs = preferences_from_args(service.preferences(), args)
     if args.conversation is None:
@@ -109,13 +157,7 @@ def run(args: argparse.Namespace) -> int:
         engine = service.load_model(prefs.model)
         conversation = service.create_conversation(engine.loaded.name, args.system)
     else:
-        try:
-            conversation_id = int(args.conversation)
-        except ValueError:
-            raise NotFound(
-                f"--conversation takes 'new' or a number, not {args.conversation!r}"
-            ) from None
-        conversation = service.store.get(conversation_id)
+        conversation = service.store.get(conversation_id_from(args.conversation))
         engine = service.load_model(args.model or conversation.model)
     if not args.json:
         print(f"Conversation {conversation.id}", file=sys.stderr)
@@ -162,12 +204,39 @@ def loop(turn: Turn, first_message: str | None, as_json: bool, model: str) -> in
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"Chatting with {model}. Ctrl-C stops a reply; Ctrl-D quits.")
-    while True:
+    for number in itertools.count(1):
         try:
-            text = input("> " if interactive else "")
-        except (EOFError, KeyboardInterrupt):
+            text = _read_line(interactive, number)
+        except EOFError:
             if interactive:
                 print()
             return 0
-        if text.strip():
+        except InvalidMessage as exc:
+            if not interactive:
+                raise  # piped input stops at its first bad line; nothing of it is stored
+            print(f"reprise: {exc}", file=sys.stderr)
+            continue
+        if text.strip():  # a blank line sends nothing, as in the window
             one(text)
+    return 0  # not reached: the loop ends at the end of the input
+
+
+def _read_line(interactive: bool, number: int) -> str:
+    """The next line of input, checked; EOFError at its end (Ctrl-D or Ctrl-C).
+
+    Piped input is read as bytes and decoded line by line, so a line that is not
+    UTF-8 is named exactly, whatever decoding the platform set on stdin."""
+    where = f"input line {number}"
+    try:
+        if interactive:
+            text = input("> ")
+        else:
+            raw = sys.stdin.buffer.readline()
+            if not raw:
+                raise EOFError
+            text = raw.removesuffix(b"\n").decode("utf-8")
+    except KeyboardInterrupt:
+        raise EOFError from None
+    except UnicodeDecodeError:
+        raise InvalidMessage(f"{where} is not valid UTF-8 text") from None
+    return checked_message(text, where) if text.strip() else text

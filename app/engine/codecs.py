@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from app.engine.kvquant import MixedKVCache
+from app.engine.kvquant import MixedKVCache, tail_rows_at
 from app.engine.kvscheme import KVScheme, parse_format
 from app.engine.stored_arrays import to_numpy
 from sessions.cachefiles import CacheRejected
@@ -27,17 +27,19 @@ _FLOAT_STORED = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.ui
 @dataclass(frozen=True)
 class LayerShape:
     """What one attention layer caches per token: heads, and key and value widths
-    (they differ in MLA models)."""
+    (they differ in MLA models), and the type the model computes them in."""
 
     heads: int
     key_dim: int
     value_dim: int
+    dtype: mx.Dtype | None = None
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     shape: tuple[int, ...]
     dtypes: tuple[mx.Dtype, ...]
+    optional: bool = False  # a chunk may hold it or not
 
 
 def layer_shapes(model) -> list[LayerShape | None]:
@@ -49,7 +51,7 @@ def layer_shapes(model) -> list[LayerShape | None]:
     for layer in cache:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if type(layer) is KVCache and keys is not None:
-            shapes.append(LayerShape(keys.shape[1], keys.shape[3], values.shape[3]))
+            shapes.append(LayerShape(keys.shape[1], keys.shape[3], values.shape[3], keys.dtype))
         else:
             shapes.append(None)
     return shapes
@@ -60,8 +62,14 @@ class PlainCodec:
 
     name = "KVCache"
 
-    def tensors(self, layer: KVCache, start: int, end: int) -> dict[str, mx.array]:
-        return {"k.0": layer.keys[..., start:end, :], "v.0": layer.values[..., start:end, :]}
+    def tensors(
+        self, layer: KVCache, start: int, end: int, store_as: mx.Dtype | None = None
+    ) -> dict[str, mx.array]:
+        """Tokens [start, end); `store_as`: the 16-bit type a float32 compute path saves in."""
+        keys, values = layer.keys[..., start:end, :], layer.values[..., start:end, :]
+        if store_as is not None and keys.dtype != store_as:
+            keys, values = keys.astype(store_as), values.astype(store_as)
+        return {"k.0": keys, "v.0": values}
 
     def specs(self, shape: LayerShape, fmt: str, start: int, end: int) -> dict[str, TensorSpec]:
         if fmt not in _FLOAT_STORED:
@@ -73,16 +81,24 @@ class PlainCodec:
             "v.0": TensorSpec((1, shape.heads, n, shape.value_dim), dtypes),
         }
 
-    def build(self, named: dict[str, mx.array], fmt: str) -> KVCache:
+    def build(
+        self, named: dict[str, mx.array], fmt: str, compute: mx.Dtype | None = None
+    ) -> KVCache:
+        """The layer from its joined tokens, in the `compute` type when it differs from
+        the stored one (a 16-bit cache restored on the float32 CPU path)."""
+        keys, values = named["k.0"], named["v.0"]
+        if compute is not None and keys.dtype != compute:
+            keys, values = keys.astype(compute), values.astype(compute)
         layer = KVCache()
-        layer.keys, layer.values = named["k.0"], named["v.0"]
+        layer.keys, layer.values = keys, values
         layer.offset = layer.keys.shape[2]
         return layer
 
 
 class MixedCodec:
     """The app's quantized `MixedKVCache`: every token quantized, plus the 16-bit
-    sink in the first chunk (see `MixedKVCache.quantized_tokens`)."""
+    sink in the first chunk and the 16-bit recent rows in the last one (see
+    `MixedKVCache.quantized_tokens`)."""
 
     name = "MixedKVCache"
 
@@ -109,6 +125,10 @@ class MixedCodec:
             if start == 0 and scheme.sink:
                 sink = min(scheme.sink, end)
                 specs[f"s{part}"] = TensorSpec((1, shape.heads, sink, dim), _SIXTEEN_STORED)
+            tail = tail_rows_at(end, scheme)
+            if tail:  # the last chunk of a cache: its 16-bit rows after the sink
+                shape_16 = (1, shape.heads, tail, dim)
+                specs[f"t{end}{part}"] = TensorSpec(shape_16, _SIXTEEN_STORED, optional=True)
         return specs
 
     def build(self, named: dict[str, mx.array], fmt: str) -> MixedKVCache:
@@ -116,6 +136,20 @@ class MixedCodec:
 
 
 CODECS = {codec.name: codec for codec in (PlainCodec(), MixedCodec())}
+
+
+def stored_format(live: str, sixteen_bit: str | None) -> str:
+    """The format a plain cache is saved in: a float32 cache of a 16-bit model (the CPU
+    path computes in float32) is saved in the model's own 16-bit type, half the bytes;
+    restoring converts it back. A float32 model's cache stays float32."""
+    if live == "float32" and sixteen_bit in ("float16", "bfloat16"):
+        return sixteen_bit
+    return live
+
+
+def stored_dtype(fmt: str) -> mx.Dtype | None:
+    """The mlx type of a plain format's tokens ("bfloat16" -> mx.bfloat16); None if not plain."""
+    return {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(fmt)
 
 
 def codec_for(layer) -> PlainCodec | MixedCodec | None:
@@ -132,11 +166,17 @@ def scheme_of(fmt: str) -> KVScheme:
         raise CacheRejected(f"unknown KV format {fmt!r}") from exc
 
 
-def chunk_tensors(cache: list, start: int, end: int) -> dict:
-    """Tokens [start, end) of every layer, named "<layer>.<tensor>", for a chunk file."""
+def chunk_tensors(cache: list, start: int, end: int, store_as: mx.Dtype | None = None) -> dict:
+    """Tokens [start, end) of every layer, named "<layer>.<tensor>", for a chunk file
+    (`store_as`: the type plain layers are saved in; see `stored_format`)."""
     tensors = {}
     for i, layer in enumerate(cache):
-        for name, array in codec_for(layer).tensors(layer, start, end).items():
+        codec = codec_for(layer)
+        if isinstance(codec, PlainCodec):
+            named = codec.tensors(layer, start, end, store_as)
+        else:
+            named = codec.tensors(layer, start, end)
+        for name, array in named.items():
             tensors[f"{i}.{name}"] = to_numpy(array)
     return tensors
 
@@ -155,7 +195,8 @@ def split_layers(tensors: dict, layers: int) -> list[dict]:
 def check_layer(i: int, named: dict, specs: dict[str, TensorSpec], previous: dict | None) -> None:
     """Layer `i` of a chunk holds exactly the tensors `specs` names, with their
     shapes and dtypes, and the dtypes of the chunk before it."""
-    if set(named) != set(specs):
+    required = {name for name, spec in specs.items() if not spec.optional}
+    if not required <= set(named) <= set(specs):
         raise CacheRejected(f"layer {i} has the wrong tensors")
     for name, array in named.items():
         spec = specs[name]

@@ -17,6 +17,7 @@ import sqlite_utils
 
 from app.engine.cache_keys import SNAPSHOT
 from app.engine.chat import ChatSession, Event
+from app.engine.errors import UserError
 from app.engine.generation import (
     KVSettings,
     SamplingSettings,
@@ -106,6 +107,10 @@ class ReplyFinished:
 TurnEvent = Event | RestoreInfo | ReplyFinished | CacheSaved
 
 
+class NotAReply(UserError):
+    pass
+
+
 class ConversationEngine:
     def __init__(
         self,
@@ -161,6 +166,84 @@ class ConversationEngine:
         yield from self._turn(
             original.conversation_id, original.parent_id, text, options, should_stop
         )
+
+    def continue_reply(
+        self,
+        message_id: int,
+        options: TurnOptions,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> Iterator[TurnEvent]:
+        """Go on with an assistant reply that stopped early (the length limit, Stop, a
+        killed process): the model reads the conversation and the reply so far, and the
+        new text is appended to the same message."""
+        reply = self.store.message(message_id)
+        if reply.role != "assistant":
+            raise NotAReply("Only a reply can be continued")
+        conversation_id = reply.conversation_id
+        conversation = self.store.get(conversation_id)
+        chat = [{"role": m.role, "content": m.content} for m in self.store.branch(reply.parent_id)]
+        system = options.system if options.system is not None else conversation.system_prompt
+        held = self._holds(conversation_id)
+        entry = None if held else self.index.conversation(conversation_id)
+        known = self.session.tokens if held else entry.tokens if entry else []
+        prompt = self._continuation_prompt(chat, system, reply.content, known)
+        self.session.check_fits(len(prompt), options.max_context)
+        self.store.update_settings(conversation_id, current_message_id=message_id)
+        restore = self._prepare_cache(conversation_id, entry, prompt, options.kv)
+        if restore.source == "recompute" and entry is not None:
+            prompt = self._continuation_prompt(chat, system, reply.content, [])
+        yield restore
+        self.store.update_message(message_id, state="streaming")
+        writer = ReplyWriter(self.store, message_id)
+        writer.text = reply.content
+        lead = ""  # a fresh detokenizer drops the first token's leading space; put it back
+        try:
+            for event in self.session.generate(
+                prompt,
+                sampling=options.sampling,
+                kv=options.kv,
+                should_stop=should_stop,
+                max_context=options.max_context,
+            ):
+                if isinstance(event, TextDelta) and writer.text == reply.content:
+                    lead = self._dropped_space(prompt, event.text)
+                    event = TextDelta(lead + event.text)
+                if isinstance(event, TurnFinished):
+                    text = reply.content + lead + event.text
+                    event = ReplyFinished(text, event.stats, restore, conversation_id, message_id)
+                    state = "cancelled" if event.stats.finish_reason == "cancelled" else "complete"
+                    writer.finish(state, event.to_dict(), text)
+                elif isinstance(event, TextDelta):
+                    writer.append(event.text)
+                yield event
+        except BaseException:
+            writer.finish("failed")
+            self._in_memory = None
+            self.session.reset()
+            raise
+        yield self.save(conversation_id)
+
+    def _dropped_space(self, prompt: list[int], first_text: str) -> str:
+        """ " " when the first new token begins with a space its streamed text lost."""
+        generated = self.session.tokens[len(prompt) : len(prompt) + 1]
+        spelled = self.loaded.tokenizer.decode(generated) if generated else ""
+        return " " if spelled.startswith(" ") and not first_text.startswith(" ") else ""
+
+    def _continuation_prompt(
+        self, chat: list[dict], system: str | None, reply_so_far: str, known: list[int]
+    ) -> list[int]:
+        """The conversation up to the reply's opening, then the reply's text with no end
+        of turn; `known` tokens (a cache) are kept where they spell its start."""
+        full = [{"role": "system", "content": system}, *chat] if system else chat
+        tokenizer = self.loaded.tokenizer
+        text = tokenizer.apply_chat_template(full, add_generation_prompt=True, tokenize=False)
+        text += reply_so_far
+        if known:
+            known_text = tokenizer.decode(list(known), skip_special_tokens=False)
+            if text.startswith(known_text):
+                rest = tokenizer.encode(text[len(known_text) :], add_special_tokens=False)
+                return [*known, *rest]
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
     # -- one turn --------------------------------------------------------------
 

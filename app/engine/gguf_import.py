@@ -8,6 +8,8 @@ float arrays. What this module adds:
 - `rope_traditional: true`, because llama.cpp's converter permutes the Q and K
   projections for its interleaved rotary layout, which is MLX's "traditional"
   rope (so the weights need no un-permuting);
+- the file's structure checked by our own reader first (`gguf_check`), since
+  mlx's reader trusts the sizes and offsets a file declares;
 - a Hugging Face `tokenizer.json` rebuilt from the GGUF vocabulary and merges
   (byte-level BPE), plus the chat template from `tokenizer.chat_template`.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +29,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from app.engine.errors import UserError
+from app.engine.gguf_check import GGUFImportError, check_gguf
 from app.engine.models import staged_folder
+
+__all__ = ["GGUFImportError", "ImportedModel", "import_gguf"]
 
 # GGUF tensor name -> mlx-lm llama parameter name.
 _TOP_LEVEL = {
@@ -72,10 +77,6 @@ _USER_DEFINED_TOKEN = 4
 Progress = Callable[[str, int, int], None]
 
 
-class GGUFImportError(UserError):
-    """The GGUF file cannot be imported; the message says why, in user terms."""
-
-
 @dataclass(frozen=True)
 class ImportedModel:
     name: str
@@ -114,8 +115,8 @@ def import_gguf(
     weights = _map_weights(tensors)
     config = _model_config(meta, weights)
 
-    report("Writing model folder", 3, 4)
     with staged_folder(models_dir, name, "import") as staging:
+        report("Writing model folder", 3, 4)
         mx.save_safetensors(str(staging / "model.safetensors"), weights, {"format": "mlx"})
         config["reprise"] = {
             "source": "gguf",
@@ -135,9 +136,7 @@ def _check_model_name(name: str) -> None:
 
 
 def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
-    with path.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            raise GGUFImportError(f"{path.name} is not a GGUF file")
+    check_gguf(path)  # mlx trusts what the file declares; we do not
     try:
         tensors, meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
@@ -157,7 +156,19 @@ def _meta_num(meta: dict, key: str, default=None):
         if default is None:
             raise GGUFImportError(f"The GGUF metadata lacks {key}")
         return default
-    return value.item() if isinstance(value, mx.array) else value
+    if isinstance(value, mx.array) and value.size == 1:
+        value = value.item()
+    if isinstance(value, bool | int | float) and math.isfinite(value):
+        return value
+    raise GGUFImportError(f"The GGUF metadata {key} is not a number")
+
+
+def _meta_count(meta: dict, key: str, default: int | None = None) -> int:
+    """A size the model is built with: a whole number of at least 1."""
+    value = _meta_num(meta, key, default)
+    if isinstance(value, bool) or value != int(value) or value < 1:
+        raise GGUFImportError(f"The GGUF metadata {key} ({value}) is not a usable size")
+    return int(value)
 
 
 def _map_weights(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -189,10 +200,10 @@ def _quant_params(weights: dict[str, mx.array], prefix: str, in_dims: int) -> di
 
 
 def _model_config(meta: dict, weights: dict[str, mx.array]) -> dict:
-    hidden = int(_meta_num(meta, "llama.embedding_length"))
-    layers = int(_meta_num(meta, "llama.block_count"))
-    heads = int(_meta_num(meta, "llama.attention.head_count"))
-    head_dim = int(_meta_num(meta, "llama.attention.key_length", hidden // heads))
+    hidden = _meta_count(meta, "llama.embedding_length")
+    layers = _meta_count(meta, "llama.block_count")
+    heads = _meta_count(meta, "llama.attention.head_count")
+    head_dim = _meta_count(meta, "llama.attention.key_length", max(1, hidden // heads))
     for i in range(layers):
         for part in _PER_BLOCK.values():
             if f"model.layers.{i}.{part}.weight" not in weights:
@@ -205,15 +216,15 @@ def _model_config(meta: dict, weights: dict[str, mx.array]) -> dict:
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "intermediate_size": int(_meta_num(meta, "llama.feed_forward_length")),
+        "intermediate_size": _meta_count(meta, "llama.feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_meta_num(meta, "llama.attention.head_count_kv", heads)),
+        "num_key_value_heads": _meta_count(meta, "llama.attention.head_count_kv", heads),
         "head_dim": head_dim,
         "rms_norm_eps": float(_meta_num(meta, "llama.attention.layer_norm_rms_epsilon")),
         "vocab_size": weights["model.embed_tokens.weight"].shape[0],
         "rope_theta": float(_meta_num(meta, "llama.rope.freq_base", 10000.0)),
         "rope_traditional": True,
-        "max_position_embeddings": int(_meta_num(meta, "llama.context_length", 4096)),
+        "max_position_embeddings": _meta_count(meta, "llama.context_length", 4096),
         "tie_word_embeddings": "lm_head.weight" not in weights,
     }
     in_dims = {
@@ -239,7 +250,7 @@ def _model_config(meta: dict, weights: dict[str, mx.array]) -> dict:
 
 
 def _tokenizer_files(meta: dict) -> tuple[str, dict]:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 
     tokens = meta.get("tokenizer.ggml.tokens")
     merges = meta.get("tokenizer.ggml.merges")
@@ -255,9 +266,7 @@ def _tokenizer_files(meta: dict) -> tuple[str, dict]:
         raise GGUFImportError(f"Pre-tokenizer {pre!r} is not supported yet")
     split_digits, pattern = _PRE_TOKENIZERS[pre]
 
-    vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    tokenizer = _bpe_tokenizer(tokens, merges)
     steps = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
     steps += [
         pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
@@ -270,14 +279,17 @@ def _tokenizer_files(meta: dict) -> tuple[str, dict]:
     types = types.tolist() if isinstance(types, mx.array) else [1] * len(tokens)
     special = [
         AddedToken(tokens[i], special=True, normalized=False)
-        for i, kind_ in enumerate(types)
+        for i, kind_ in enumerate(types[: len(tokens)])
         if kind_ in (_CONTROL_TOKEN, _USER_DEFINED_TOKEN)
     ]
     tokenizer.add_special_tokens(special)
 
     def token_at(key: str) -> str | None:
         index = meta.get(key)
-        return tokens[int(index.item())] if isinstance(index, mx.array) else None
+        if not isinstance(index, mx.array) or index.size != 1:
+            return None
+        position = int(index.item())
+        return tokens[position] if 0 <= position < len(tokens) else None
 
     template = _meta_str(meta, "tokenizer.chat_template")
     if not template:
@@ -289,11 +301,28 @@ def _tokenizer_files(meta: dict) -> tuple[str, dict]:
         "pad_token": token_at("tokenizer.ggml.padding_token_id"),
         "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
         "add_bos_token": bool(_meta_num(meta, "tokenizer.ggml.add_bos_token", False)),
-        "model_max_length": int(_meta_num(meta, "llama.context_length", 4096)),
+        "model_max_length": _meta_count(meta, "llama.context_length", 4096),
         "clean_up_tokenization_spaces": False,
         "chat_template": template,
     }
     return tokenizer.to_str(), config
+
+
+def _bpe_tokenizer(tokens: object, merges: object):
+    """The BPE model from the GGUF vocabulary and merges; a damaged one is a user error."""
+    from tokenizers import Tokenizer, models
+
+    if not isinstance(tokens, list) or not isinstance(merges, list):
+        raise GGUFImportError("The GGUF tokenizer's tokens or merges are not lists of text")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ")) for m in merges]
+    if any(len(pair) != 2 for pair in pairs):
+        bad = next(m for m, pair in zip(merges, pairs, strict=True) if len(pair) != 2)
+        raise GGUFImportError(f"The GGUF tokenizer's merge {bad!r} is not two tokens")
+    try:
+        return Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    except Exception as exc:  # tokenizers raises a bare Exception for a bad vocabulary
+        raise GGUFImportError(f"The GGUF tokenizer could not be built: {exc}") from exc
 
 
 def _sha256(path: Path) -> str:

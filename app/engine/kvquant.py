@@ -7,15 +7,23 @@ next word mostly depends on) lose the precision the model leans on most.
 `MixedKVCache` stores the bulk of the context quantized, with
 
 - separate bit widths for keys and values (keys are the sensitive half),
-- 16-bit copies of the first `sink` and the last `window` tokens, written
-  over their dequantized rows when attention reads the cache,
+- the first `sink` and the last `window` tokens (up to `FLUSH` more) in 16
+  bits, attended to at that precision,
 - optionally the keys rotated by a Walsh-Hadamard transform before
   quantizing, which spreads an outlier channel over the whole group.
 
-Attention reads the cache back as one dequantized array per layer (a
-temporary the size of one layer's keys and values), so it runs wherever
-`mx.fast.scaled_dot_product_attention` does, the CUDA backend included, whose
-`quantized_matmul` lacks the decode shapes mlx-lm's quantized attention needs.
+A token arrives in the layer's 16-bit store and is quantized once it is
+`window` tokens old, `FLUSH` tokens at a time: a decode step then writes one
+16-bit row per half, as mlx-lm's own cache does, instead of quantizing it and
+writing six arrays. A token is quantized from its 16-bit copy, the same bits
+whenever that happens, so a saved chunk is the same whenever it is written.
+
+Attention reads the packed cache directly (app/engine/kvattention.py): the
+layer hands mlx-lm's model code a `PackedRead` instead of dequantized arrays
+once the patched attention has shown it routes this layer's calls.
+`reference_read` is what attention read before that (every token
+dequantized, the 16-bit rows written over theirs): the test oracle, and the
+fallback for model code that does not call mlx-lm's attention function.
 
 A layer can also be a sliding window (`max_size`), the quantized counterpart
 of mlx-lm's `RotatingKVCache`: old tokens are dropped from the front, keeping
@@ -24,7 +32,6 @@ the first `keep`. Tokens are always held in temporal order.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -32,147 +39,79 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, create_attention_mask
 
-from app.engine.kvscheme import KVScheme, parse_format
+from app.engine import kvattention
+from app.engine.kvattention import PackedLayout, PackedRead
+from app.engine.kvscheme import APP_SCHEMES, KVScheme, parse_format
+from app.engine.tokenstore import TokenStore, as_dtype, sixteen_bit
 
-_SIXTEEN = (mx.float16, mx.bfloat16)
-
-
-def _sixteen(x: mx.array) -> mx.array:
-    """Full-precision parts are kept in 16 bits: the model's own 16-bit type, or
-    float16 where it computes in float32 (the CPU path)."""
-    return x if x.dtype in _SIXTEEN else x.astype(mx.float16)
+FLUSH = 32  # tokens quantized at a time once older than the window
 
 
-def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
-    return x if x.dtype == dtype else x.astype(dtype)
+def quantized_at(count: int, window: int) -> int:
+    """How many positions a layer holds quantized once `count` are stored: whole
+    blocks of FLUSH tokens older than the window. A function of the count alone,
+    however the tokens arrived, so a cache rebuilt from its files is the live one."""
+    return max(0, (count - window) // FLUSH * FLUSH)
 
 
-class TokenStore:
-    """One half (keys or values) of a layer's tokens along axis 2, float16 or
-    quantized, in a buffer that grows in steps and can drop tokens from its front."""
+def app_window(scheme: KVScheme) -> int:
+    """The 16-bit window the app runs `scheme` with: a saved format does not name it
+    (it is a setting of the app's 8-bit and 4-bit, the same for every group size)."""
+    for app_scheme in APP_SCHEMES.values():
+        if replace(app_scheme, group_size=scheme.group_size, window=0) == replace(scheme, window=0):
+            return app_scheme.window
+    return scheme.window
 
-    step = 256
 
-    def __init__(self, bits: int | None, group_size: int, rotate: bool = False) -> None:
-        self.bits, self.group_size, self.rotate = bits, group_size, rotate
-        self.buffers: list[mx.array] = []
-        self.lo = self.hi = 0
-
-    def __len__(self) -> int:
-        return self.hi - self.lo
-
-    def encode(self, x: mx.array) -> list[mx.array]:
-        if self.rotate:  # before the cast: float16 arithmetic is emulated on the CPU
-            x = mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
-        x = _sixteen(x)
-        if self.bits is None:
-            return [x]
-        return list(mx.quantize(x, group_size=self.group_size, bits=self.bits))
-
-    def decode(self, parts: list[mx.array], dtype: mx.Dtype) -> mx.array:
-        if self.bits is None:
-            x = parts[0]
-        else:
-            weights, scales, biases = parts
-            if dtype == mx.float32:
-                # CPU float16 arithmetic is emulated: dequantizing with float16 scales
-                # took 6x as long as with the (small) scales upcast first.
-                scales, biases = scales.astype(dtype), biases.astype(dtype)
-            x = mx.dequantize(weights, scales, biases, group_size=self.group_size, bits=self.bits)
-        x = _as(x, dtype)
-        if self.rotate:  # the normalized transform is its own inverse
-            x = mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
-        return x
-
-    def append(self, x: mx.array) -> None:
-        self.append_encoded(self.encode(x))
-
-    def append_encoded(self, parts: list[mx.array]) -> None:
-        n = parts[0].shape[2]
-        if not self.buffers or self.hi + n > self.buffers[0].shape[2]:
-            self._regrow(n, parts)
-        for buffer, part in zip(self.buffers, parts, strict=True):
-            buffer[..., self.hi : self.hi + n, :] = part
-        self.hi += n
-
-    def _regrow(self, n: int, parts: list[mx.array]) -> None:
-        """Move the live tokens to the front of a buffer with room for `n` more."""
-        size = len(self)
-        capacity = (size + n + self.step - 1) // self.step * self.step
-        grown = []
-        for i, part in enumerate(parts):
-            shape = (*part.shape[:2], capacity, part.shape[3])
-            fresh = mx.zeros(shape, part.dtype)
-            if size:
-                fresh[..., :size, :] = self.buffers[i][..., self.lo : self.hi, :]
-            grown.append(fresh)
-        self.buffers, self.lo, self.hi = grown, 0, size
-
-    def encoded(self, start: int = 0, end: int | None = None) -> list[mx.array]:
-        end = len(self) if end is None else end
-        return [b[..., self.lo + start : self.lo + end, :] for b in self.buffers]
-
-    def read(self, dtype: mx.Dtype, start: int = 0, end: int | None = None) -> mx.array:
-        return self.decode(self.encoded(start, end), dtype)
-
-    def drop(self, n: int, after: int = 0) -> None:
-        """Drop `n` tokens, keeping the first `after` (a sliding window's kept tokens)."""
-        n = min(n, len(self) - after)
-        if n <= 0:
-            return
-        if after:  # rare (mlx-lm's `keep`): move the kept tokens up by a copy
-            for buffer in self.buffers:
-                buffer[..., self.lo + n : self.lo + n + after, :] = mx.array(
-                    buffer[..., self.lo : self.lo + after, :]
-                )
-        self.lo += n
-
-    def trim(self, n: int) -> None:
-        self.hi -= min(n, len(self))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        """The 16-bit type it dequantizes from (its scales' type when quantized)."""
-        return self.buffers[0 if self.bits is None else 1].dtype
+def tail_rows_at(count: int, scheme: KVScheme) -> int:
+    """How many 16-bit rows after the sink a layer holds at `count` tokens."""
+    window = app_window(scheme)
+    return max(0, count - max(quantized_at(count, window), scheme.sink))
 
 
 class MixedKVCache:
     """A layer's KV cache stored per `KVScheme`, a drop-in for mlx-lm's KVCache and
-    RotatingKVCache (`max_size`). Every token is held quantized (the bulk); float16
-    copies of the first `sink` and the last `window` tokens are written over their
-    rows when attention reads the cache, so the copies cost a few tokens of memory
-    and no concatenation."""
+    RotatingKVCache (`max_size`).
+
+    Positions [0, q) are held quantized in `bulk` (q = len(bulk)), the sink ones
+    included, so that every token can be saved quantized. `exact` holds, in 16
+    bits and in order, the first `sink_size` positions and the tail [max(q, S), n):
+    the tokens not yet quantized, at least `window` of them."""
 
     def __init__(self, scheme: KVScheme, max_size: int | None = None, keep: int = 0) -> None:
         self._setup(scheme, max_size, keep)
+        kvattention.install()
 
     def _setup(self, scheme: KVScheme, max_size: int | None, keep: int) -> None:
         self.scheme = scheme
         self.max_size, self.keep = max_size, keep
         # A sliding window keeps its own first `keep` tokens, no others, as sinks.
         self.sink_size = scheme.sink if max_size is None else keep
-        self.offset = 0
+        self.offset = self.count = 0
         self.bulk = [
             TokenStore(scheme.key_bits, scheme.group_size, scheme.rotate_keys),
             TokenStore(scheme.value_bits, scheme.group_size),
         ]
-        self.sink: list[mx.array | None] = [None, None]
-        self.recent: list[mx.array | None] = [None, None]
+        self.exact = [TokenStore(None, scheme.group_size, step=64) for _ in range(2)]
+        self.packed_reads = False  # set by the patched attention (kvattention)
+        self.handshake: tuple | None = None
 
     # -- the interface mlx-lm's models call ------------------------------------
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
         if self.max_size is not None:
-            excess = self.stored() - (self.max_size - 1)
-            for store in self.bulk:
-                store.drop(excess, after=self.sink_size)
+            self._drop_front(self.count - (self.max_size - 1))
         self.extend(keys, values)
         self.offset += keys.shape[2]
-        return self._fetch(0, keys.dtype), self._fetch(1, values.dtype)
+        if self.packed_reads:
+            return PackedRead(self, 0, keys.dtype), PackedRead(self, 1, values.dtype)
+        self.handshake = (self.reference_read(0, keys.dtype), self.reference_read(1, values.dtype))
+        return self.handshake
+
+    def attend(self, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:
+        """Attention of `queries` over this layer's tokens, from the packed cache."""
+        self.handshake = None
+        return kvattention.attend(self.layout(), queries, scale, mask, sinks)
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         if self.max_size is None:
@@ -186,7 +125,7 @@ class MixedKVCache:
         return create_causal_mask(N, offset, window_size=window_size)
 
     def size(self) -> int:
-        return self.stored()
+        return self.count
 
     def empty(self) -> bool:
         return self.offset == 0
@@ -195,38 +134,56 @@ class MixedKVCache:
         return self.max_size is None or self.offset < self.max_size
 
     def trim(self, n: int) -> int:
-        n = min(n, self.stored())
-        left = self.stored() - n
+        n = min(n, self.count)
+        left = self.count - n
+        q, tail_rows, sink_rows = self.quantized(), self._tail_rows(), self._sink_rows()
+        tail_keep = max(0, left - self._tail_start())
+        sink_keep = min(self.sink_size, left) if tail_keep == 0 else sink_rows
         for part in (0, 1):
-            self.bulk[part].trim(n)
-            recent, sink = self.recent[part], self.sink[part]
-            if recent is not None:
-                kept = recent.shape[2] - n
-                self.recent[part] = recent[..., :kept, :] if kept > 0 else None
-            if sink is not None and sink.shape[2] > left:
-                self.sink[part] = sink[..., :left, :] if left else None
+            self.exact[part].trim(tail_rows - tail_keep + sink_rows - sink_keep)
+            self.bulk[part].trim(q - min(q, left))
+        self.count = left
         self.offset -= n
+        if self.max_size is None:
+            self._unflush(quantized_at(left, self.scheme.window))
         return n
 
+    def _unflush(self, until: int) -> None:
+        """After a trim into the quantized rows: hold positions [until, q) in 16 bits
+        again (their dequantized values), so that the layer is what `quantized_at`
+        says, as a cache restored from its files will be."""
+        q, start = self.quantized(), max(until, self.sink_size)
+        if start >= q:
+            return
+        for part in (0, 1):
+            exact, sink_rows = self.exact[part], self._sink_rows()
+            dtype = exact.dtype if exact.buffers else self.bulk[part].dtype
+            rows = [self.bulk[part].read(dtype, start, q)]
+            if exact.buffers:
+                rows = [exact.encoded(0, sink_rows)[0], *rows, exact.encoded(sink_rows)[0]]
+            exact.buffers, exact.lo, exact.hi = [], 0, 0
+            exact.append_encoded([mx.concatenate(rows, axis=2)])
+            self.bulk[part].trim(q - until)
+
     def set_window(self, window: int) -> None:
-        """Keep the last `window` tokens in float16 from now on (a restored cache
+        """Keep the last `window` tokens in 16 bits from now on (a restored cache
         comes back without its window)."""
         self.scheme = replace(self.scheme, window=window)
 
     @property
     def nbytes(self) -> int:
-        total = sum(store.nbytes for store in self.bulk)
-        return total + sum(a.nbytes for a in (*self.sink, *self.recent) if a is not None)
+        return sum(store.nbytes for store in (*self.bulk, *self.exact))
 
     @property
     def state(self) -> tuple:
-        """Everything held, exactly: (bulk keys, bulk values, sink k, sink v,
-        recent k, recent v, offset, format, window, max_size, keep)."""
-        bulk = [tuple(s.encoded()) if s.buffers else None for s in self.bulk]
+        """Everything held, exactly: (bulk keys, bulk values [every token quantized],
+        sink k, sink v, recent k, recent v [the 16-bit tail], offset, format, window,
+        max_size, keep)."""
+        bulk = [tuple(self._all_quantized(p)) if self.count else None for p in (0, 1)]
         return (
             *bulk,
-            *self.sink,
-            *self.recent,
+            *(self._sink(p) for p in (0, 1)),
+            *(self._tail(p) for p in (0, 1)),
             self.offset,
             self.scheme.format,
             self.scheme.window,
@@ -243,75 +200,178 @@ class MixedKVCache:
         for part, bulk in enumerate((bulk_k, bulk_v)):
             if bulk is not None:
                 self.bulk[part].append_encoded(list(bulk) if isinstance(bulk, tuple) else [bulk])
-        self.sink, self.recent = [sink_k, sink_v], [recent_k, recent_v]
-        self.offset = int(offset)
-        copies = [a.shape[2] for a in (sink_k, sink_v, recent_k, recent_v) if a is not None]
+        self.offset, self.count = int(offset), len(self.bulk[0])
+        pairs = ((sink_k, sink_v), (recent_k, recent_v))
+        copies = [a.shape[2] for pair in pairs for a in pair if a is not None]
         if (
             len(self.bulk[0]) != len(self.bulk[1])
-            or self.stored() > self.offset
-            or any(n > self.stored() for n in copies)
+            or self.count > self.offset
+            or any(n > self.count for n in copies)
+            or any((a is None) != (b is None) for a, b in pairs)
         ):
             raise ValueError("inconsistent token counts")
+        recent = recent_k.shape[2] if recent_k is not None else 0
+        for part in (0, 1):  # the recent tokens are held in 16 bits, not quantized
+            self.bulk[part].trim(recent)
+        start = self._tail_start()  # recent rows may overlap the sink
+        for part, (sink, tail) in enumerate(((sink_k, recent_k), (sink_v, recent_v))):
+            if sink is not None and self.sink_size:
+                self.exact[part].append_encoded([sink[..., : self._sink_rows(), :]])
+            if tail is not None and start < self.count:
+                self.exact[part].append_encoded([tail[..., start - self.count :, :]])
+        if len(self.exact[0]) != self._sink_rows() + self._tail_rows():
+            raise ValueError("the sink does not match the scheme")
 
     # -- storage -----------------------------------------------------------------
 
     def stored(self) -> int:
+        return self.count
+
+    def quantized(self) -> int:
         return len(self.bulk[0])
+
+    def _tail_start(self) -> int:
+        return max(self.quantized(), self.sink_size)
+
+    def _sink_rows(self) -> int:
+        return min(self.sink_size, self.count)
+
+    def _tail_rows(self) -> int:
+        return max(0, self.count - self._tail_start())
+
+    def _exact_row(self, position: int) -> int:
+        """Where a 16-bit position lives in `exact` (positions [q, n) are contiguous)."""
+        if position < self.sink_size:
+            return position
+        return self._sink_rows() + position - self._tail_start()
+
+    def _sink(self, part: int) -> mx.array | None:
+        rows = self._sink_rows()
+        return self.exact[part].encoded(0, rows)[0] if rows else None
+
+    def _tail(self, part: int) -> mx.array | None:
+        rows = self._tail_rows()
+        return self.exact[part].encoded(self._sink_rows())[0] if rows else None
 
     def extend(self, keys: mx.array, values: mx.array) -> None:
         """Store tokens (without counting them in `offset`)."""
         for part, x in enumerate((keys, values)):
-            self.bulk[part].append(x)
-            sink = self.sink[part]
-            have = sink.shape[2] if sink is not None else 0
-            if have < self.sink_size:  # only while the first tokens arrive
-                first = _sixteen(x[..., : self.sink_size - have, :])
-                self.sink[part] = first if sink is None else mx.concatenate([sink, first], axis=2)
-            window = min(self.scheme.window, len(self.bulk[part]))  # a sliding one may be smaller
-            if window:
-                tail = _sixteen(x[..., -window:, :])
-                recent = self.recent[part]
-                if recent is not None and tail.shape[2] < window:
-                    older = recent[..., -(window - tail.shape[2]) :, :]
-                    tail = mx.concatenate([older, tail], axis=2)
-                self.recent[part] = tail
+            self.exact[part].append_encoded([sixteen_bit(x)])
+        self.count += keys.shape[2]
+        if self.max_size is not None:  # a sliding window: its positions move
+            if self._tail_rows() > self.scheme.window + FLUSH:
+                self._flush(self.count - self.scheme.window)
+        elif quantized_at(self.count, self.scheme.window) > self.quantized():
+            self._flush(quantized_at(self.count, self.scheme.window))
 
-    def _fetch(self, part: int, dtype: mx.Dtype) -> mx.array:
-        x = self.bulk[part].read(dtype)
-        n = x.shape[2]
-        recent, sink = self.recent[part], self.sink[part]
-        if recent is not None:
-            r = min(recent.shape[2], n)
-            x[..., n - r :, :] = _as(recent[..., recent.shape[2] - r :, :], dtype)
-        if sink is not None:
-            x[..., : sink.shape[2], :] = _as(sink, dtype)
+    def _flush(self, until: int) -> None:
+        """Quantize positions [q, until) and drop their 16-bit tail rows."""
+        q, start, sink_rows = self.quantized(), self._tail_start(), self._sink_rows()
+        row = self._exact_row(q)
+        for part in (0, 1):
+            rows = self.exact[part].encoded(row, row + until - q)[0]
+            self.bulk[part].append_encoded(self.bulk[part].encode(rows))
+            self.exact[part].drop(max(0, until - start), after=sink_rows)
+            self.exact[part].compact()
+
+    def _drop_front(self, n: int) -> None:
+        """A sliding window: drop the `n` oldest tokens after the first `keep`."""
+        if n <= 0:
+            return
+        from_bulk = min(n, max(0, self.quantized() - self.keep))
+        sink_rows = self._sink_rows()
+        for part in (0, 1):
+            self.bulk[part].drop(from_bulk, after=self.keep)
+            self.exact[part].drop(n - from_bulk, after=sink_rows)
+        self.count -= n
+
+    def _all_quantized(self, part: int, start: int = 0, end: int | None = None) -> list:
+        """Positions [start, end) quantized: the bulk's, then the 16-bit ones encoded."""
+        end = self.count if end is None else end
+        q = self.quantized()
+        parts = self.bulk[part].encoded(start, min(end, q)) if start < q else None
+        if end > max(start, q):
+            row = self._exact_row(max(start, q))
+            rows = self.exact[part].encoded(row, row + end - max(start, q))[0]
+            fresh = self.bulk[part].encode(rows)
+            parts = (
+                fresh
+                if parts is None
+                else [mx.concatenate(pair, axis=2) for pair in zip(parts, fresh, strict=True)]
+            )
+        return parts
+
+    def reference_read(self, part: int, dtype: mx.Dtype) -> mx.array:
+        """Every token dequantized, the 16-bit rows written over theirs."""
+        q, sink = self.quantized(), self._sink_rows()
+        pieces = [self.bulk[part].read(dtype)] if q else []
+        if self.count > q:
+            row = self._exact_row(q)
+            pieces.append(as_dtype(self.exact[part].encoded(row)[0], dtype))
+        x = mx.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0]
+        if sink and q:
+            x[..., :sink, :] = as_dtype(self.exact[part].encoded(0, sink)[0], dtype)
         return x
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """(keys, values) as attention reads them, in their 16-bit type."""
-        return tuple(self._fetch(part, self.bulk[part].dtype) for part in (0, 1))
+        return tuple(self.reference_read(part, self._dtype(part)) for part in (0, 1))
+
+    def _dtype(self, part: int) -> mx.Dtype:
+        store = self.bulk[part] if self.bulk[part].buffers else self.exact[part]
+        return store.dtype
+
+    def layout(self) -> PackedLayout:
+        sink = self._sink_rows()
+        lo = sink if self.quantized() > sink else self.quantized()
+        return PackedLayout(
+            bulk=self.bulk,
+            bulk_start=lo,
+            bulk_end=self.quantized(),
+            exact=self.exact,
+            sink_rows=sink,
+            count=self.count,
+        )
 
     def quantized_tokens(self, start: int, end: int) -> dict[str, mx.array]:
         """Tokens [start, end) of what is stored, as cache files hold them: every one
-        quantized, plus the float16 sink in the first chunk. A token is quantized once,
-        on arrival, so a saved chunk is the same whenever it is written."""
+        quantized, plus the 16-bit sink in the first chunk and, in the last one
+        (`end` is the whole cache), the 16-bit rows after the sink ("t<end>k"), so
+        that the restored layer is this one."""
         named = {}
+        saved_as = parse_format(self.scheme.format)  # what a reader knows of the scheme
+        tail = end == self.count and self._tail_rows() == tail_rows_at(end, saved_as)
         for part, prefix in enumerate("kv"):
-            for n, array in enumerate(self.bulk[part].encoded(start, end)):
+            for n, array in enumerate(self._all_quantized(part, start, end)):
                 named[f"{prefix}.{n}"] = array
-            if start == 0 and self.sink[part] is not None:
-                named[f"s{prefix}"] = self.sink[part]
+            sink = self._sink(part)
+            if start == 0 and sink is not None:
+                named[f"s{prefix}"] = sink
+            rows = self._tail(part)
+            if tail and rows is not None:
+                named[f"t{end}{prefix}"] = rows
         return named
 
     @classmethod
     def from_quantized(cls, scheme: KVScheme, named: dict[str, mx.array]) -> MixedKVCache:
-        """Rebuild from `quantized_tokens` of a whole cache."""
-        layer = cls(replace(scheme, window=0))
+        """Rebuild from `quantized_tokens` of a whole cache; without its 16-bit rows
+        (a file written before they were saved) every token comes back quantized."""
+        layer = cls(replace(scheme, window=app_window(scheme)))
+        count = named["k.0"].shape[2]
+        tails = [named.get(f"t{count}{prefix}") for prefix in "kv"]
+        if any(t is None for t in tails) or tails[0].shape[2] != tail_rows_at(count, scheme):
+            tails = [None, None]
         for part, prefix in enumerate("kv"):
-            count = 1 if layer.bulk[part].bits is None else 3
-            layer.bulk[part].append_encoded([named[f"{prefix}.{n}"] for n in range(count)])
-            layer.sink[part] = named.get(f"s{prefix}")
-        layer.offset = layer.stored()
+            parts = 1 if layer.bulk[part].bits is None else 3
+            layer.bulk[part].append_encoded([named[f"{prefix}.{n}"] for n in range(parts)])
+            layer.count = count
+            sink = named.get(f"s{prefix}")
+            if sink is not None and layer.sink_size:
+                layer.exact[part].append_encoded([sink[..., : layer._sink_rows(), :]])
+            if tails[part] is not None:
+                layer.bulk[part].trim(count - quantized_at(count, layer.scheme.window))
+                layer.exact[part].append_encoded([tails[part]])
+        layer.offset = layer.count
         return layer
 
 

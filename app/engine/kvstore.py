@@ -13,6 +13,7 @@ codecs (app.engine.codecs), joins them once and trims to the usable prefix.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +34,14 @@ from app.engine.codecs import (
     CODECS,
     ChunkManifest,
     LayerShape,
+    PlainCodec,
     check_layer,
     chunk_tensors,
     layer_shapes,
     read_classes,
     split_layers,
+    stored_dtype,
+    stored_format,
 )
 from app.engine.loading import LoadedModel
 from app.engine.stored_arrays import from_stored
@@ -50,6 +54,7 @@ from sessions.cachefiles import (
     write_file,
 )
 
+_MAX_WEIGHTS_HEADER = 64 * 1024 * 1024
 # Snapshots kept per conversation: the ends of its last turns. Each is a whole cache
 # (a hybrid model's attention layers included), so they are few: an edit further back
 # recomputes from the start.
@@ -80,6 +85,7 @@ class KVStore:
         self.loaded = loaded
         self.chunk_tokens = chunk_tokens
         self.fingerprint = model_fingerprint(loaded.path)
+        self.sixteen_bit = sixteen_bit_type(loaded.path)
         self._shapes: list[LayerShape | None] | None = None
 
     # -- save ------------------------------------------------------------------
@@ -89,10 +95,11 @@ class KVStore:
         if cache and tokens and not snapshots.is_chunkable(cache):
             written, size = self._save_snapshot(conversation_id, tokens, cache)
             return SaveReport(written, 1 - written, size, time.perf_counter() - started)
-        fmt = kv_format(cache) if cache else None
-        if fmt is None or not tokens or cache[0].offset != len(tokens):
+        live = kv_format(cache) if cache else None
+        if live is None or not tokens or cache[0].offset != len(tokens):
             self.index.forget_conversation(conversation_id)
             return SaveReport()
+        fmt = stored_format(live, self.sixteen_bit)
         chunks = chunk_keys(self.fingerprint, fmt, tokens, self.chunk_tokens)
         classes = tuple(type(layer).__name__ for layer in cache)
         written = size = 0
@@ -105,7 +112,7 @@ class KVStore:
             manifest = ChunkManifest(
                 self.fingerprint, fmt, key, start, end, part, len(cache), classes
             )
-            size += self._write(manifest, chunk_tensors(cache, start, end))
+            size += self._write(manifest, chunk_tensors(cache, start, end, stored_dtype(fmt)))
             written += 1
         self.index.touch(existing)
         self._point_conversation(conversation_id, fmt, tokens, [k for k, _, _ in chunks])
@@ -239,8 +246,8 @@ class KVStore:
             raise CacheRejected("cache files were evicted")
         self.index.touch([k for k, s, _ in chunks if s < total])
         cache = [
-            _join(CODECS[name], named, entry.kv_format)
-            for name, named in zip(classes, pieces, strict=True)
+            _join(CODECS[name], named, entry.kv_format, shape)
+            for name, named, shape in zip(classes, pieces, shapes, strict=True)
         ]
         mx.eval([layer.state for layer in cache])
         restored = min(usable, total)
@@ -300,12 +307,35 @@ class _PrefixKeys:
         return self._keys[end]
 
 
-def _join(codec, pieces: dict[str, list], fmt: str):
+def _join(codec, pieces: dict[str, list], fmt: str, shape: LayerShape):
     named = {
         name: mx.concatenate([from_stored(p) for p in parts], axis=2)
         for name, parts in pieces.items()
     }
+    if isinstance(codec, PlainCodec):  # back to the type the model computes in
+        return codec.build(named, fmt, shape.dtype)
     return codec.build(named, fmt)
+
+
+def sixteen_bit_type(model_dir: Path) -> str | None:
+    """The model's own 16-bit type ("float16" or "bfloat16", the most common among its
+    stored 16-bit weights, scales included), from the safetensors headers alone; None for
+    a model stored without 16-bit floats."""
+    counts = {"F16": 0, "BF16": 0}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(min(length, _MAX_WEIGHTS_HEADER)))
+        except (OSError, ValueError):
+            continue
+        for entry in header.values() if isinstance(header, dict) else ():
+            dtype = entry.get("dtype") if isinstance(entry, dict) else None
+            if dtype in counts:
+                counts[dtype] += 1
+    if not any(counts.values()):
+        return None
+    return "float16" if counts["F16"] >= counts["BF16"] else "bfloat16"
 
 
 def _load_mlx(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:

@@ -10,12 +10,13 @@ alone the files too young to have their index row yet.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import sqlite_utils
 
 from app.engine import loading, models
-from app.engine.conversation import ConversationEngine, TurnEvent
+from app.engine.conversation import ConversationEngine, TurnEvent, TurnOptions
 from app.service.preferences import Preferences
 from sessions import paths
 from sessions.cachefiles import CacheIndex
@@ -25,6 +26,22 @@ from sessions.repair import on_start as repair_on_start
 from sessions.settings import Settings
 
 ShouldStop = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class ContextUse:
+    """A chat's size in tokens, with the draft message, against the context it has."""
+
+    conversation_id: int | None
+    draft_text: str  # what was counted, so the window knows whether it is still current
+    conversation: int  # tokens of the chat as the model reads it (with the system prompt)
+    draft: int  # what the draft message adds
+    limit: int  # the model's context, or the preference's smaller maximum
+
+    @property
+    def fits(self) -> bool:
+        """Whether the chat with the draft leaves room for at least one token of reply."""
+        return self.conversation + self.draft < self.limit
 
 
 def never() -> bool:
@@ -79,9 +96,9 @@ class ChatService:
         prefs: Preferences | None = None,
         should_stop: ShouldStop = never,
     ) -> Iterator[TurnEvent]:
-        options = (prefs or self.preferences()).turn_options()
-        with conversation_lock(conversation_id):
-            yield from self._engine().send(conversation_id, text, options, should_stop)
+        return self._locked(
+            conversation_id, prefs, lambda e, o: e.send(conversation_id, text, o, should_stop)
+        )
 
     def regenerate(
         self,
@@ -89,9 +106,9 @@ class ChatService:
         prefs: Preferences | None = None,
         should_stop: ShouldStop = never,
     ) -> Iterator[TurnEvent]:
-        options = (prefs or self.preferences()).turn_options()
-        with conversation_lock(conversation_id):
-            yield from self._engine().regenerate(conversation_id, options, should_stop)
+        return self._locked(
+            conversation_id, prefs, lambda e, o: e.regenerate(conversation_id, o, should_stop)
+        )
 
     def edit(
         self,
@@ -101,9 +118,52 @@ class ChatService:
         should_stop: ShouldStop = never,
     ) -> Iterator[TurnEvent]:
         conversation_id = self.store.message(message_id).conversation_id
+        return self._locked(
+            conversation_id, prefs, lambda e, o: e.edit(message_id, text, o, should_stop)
+        )
+
+    def _locked(
+        self,
+        conversation_id: int,
+        prefs: Preferences | None,
+        turn: Callable[[ConversationEngine, TurnOptions], Iterator[TurnEvent]],
+    ) -> Iterator[TurnEvent]:
+        """A turn under the conversation's writer lock, with `prefs` or the saved ones."""
         options = (prefs or self.preferences()).turn_options()
         with conversation_lock(conversation_id):
-            yield from self._engine().edit(message_id, text, options, should_stop)
+            yield from turn(self._engine(), options)
+
+    def continue_reply(
+        self,
+        message_id: int,
+        prefs: Preferences | None = None,
+        should_stop: ShouldStop = never,
+    ) -> Iterator[TurnEvent]:
+        """More of a reply cut by the length limit, stopped or interrupted, in place."""
+        conversation_id = self.store.message(message_id).conversation_id
+        options = (prefs or self.preferences()).turn_options()
+        with conversation_lock(conversation_id):
+            yield from self._engine().continue_reply(message_id, options, should_stop)
+
+    def context_use(self, conversation_id: int | None, draft: str) -> ContextUse:
+        """Count the chat (None: a new one) and the draft with the model's tokenizer."""
+        engine = self._engine()
+        prefs = self.preferences()
+        chat, system = [], prefs.system_prompt or None
+        if conversation_id is not None:
+            conversation = self.store.get(conversation_id)
+            leaf = conversation.current_message_id
+            chat = [{"role": m.role, "content": m.content} for m in self.store.branch(leaf)]
+            system = system or conversation.system_prompt
+        before = len(engine.session.render(chat, system)) if chat or system else 0
+        with_draft = before
+        if draft.strip():
+            with_draft = len(
+                engine.session.render([*chat, {"role": "user", "content": draft}], system)
+            )
+        own = engine.loaded.context_length
+        limit = min(own, prefs.max_context or own)
+        return ContextUse(conversation_id, draft, before, with_draft - before, limit)
 
     # -- conversations -------------------------------------------------------------
 

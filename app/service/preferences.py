@@ -10,13 +10,15 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.engine.conversation import TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
 from app.engine.kvscheme import GROUP_SIZES, PREFERENCE_BITS
 from sessions.errors import UserError
 from sessions.settings import Settings
+
+if TYPE_CHECKING:
+    from app.engine.conversation import TurnOptions
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,9 @@ class Preferences:
     # -- what they mean to the engine ---------------------------------------------
 
     def turn_options(self) -> TurnOptions:
+        # Imported here: the window reads preferences before the engine (mlx) is loaded.
+        from app.engine.conversation import TurnOptions
+
         return TurnOptions(
             system=self.system_prompt or None,
             sampling=SamplingSettings(

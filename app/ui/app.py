@@ -4,16 +4,47 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
+from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
 from app import __version__
+from app.resource_files import resource
+
+# Qt's folders (QStandardPaths' AppDataLocation, CacheLocation) are
+# <generic>/<organization>/<application>, platformdirs' are <generic>/Reprise
+# (sessions/paths.py): so the application name is "Reprise" and the organization
+# name stays empty, and both libraries name the same folders. The domain only
+# names the app to macOS (QSettings) and desktops; the .desktop file is reprise.desktop.
+APPLICATION_NAME = "Reprise"
+ORGANIZATION_NAME = ""
+ORGANIZATION_DOMAIN = "reprise.app"
+DESKTOP_FILE = "reprise"
+ICON_SIZES = (16, 32, 48, 64, 128, 256, 512)
 
 
 def has_display() -> bool:
     if not sys.platform.startswith("linux") or os.environ.get("QT_QPA_PLATFORM"):
         return True
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def app_icon() -> QIcon:
+    icon = QIcon()
+    for size in ICON_SIZES:
+        icon.addFile(str(resource(f"icons/reprise-{size}.png")))
+    return icon
+
+
+def name_application(app: QApplication) -> None:
+    app.setApplicationName(APPLICATION_NAME)
+    app.setApplicationDisplayName(APPLICATION_NAME)
+    app.setOrganizationName(ORGANIZATION_NAME)
+    app.setOrganizationDomain(ORGANIZATION_DOMAIN)
+    app.setApplicationVersion(__version__)
+    app.setDesktopFileName(DESKTOP_FILE)
+    app.setWindowIcon(app_icon())
 
 
 def run() -> int:
@@ -25,10 +56,16 @@ def run() -> int:
         )
         return 1
     app = QApplication.instance() or QApplication(sys.argv)
-    app.setApplicationName("Reprise")
-    app.setApplicationVersion(__version__)
+    name_application(app)
+    from app.ui import first_run, smoke
     from app.ui.main_window import MainWindow
 
+    smoke_folder = Path(os.environ["REPRISE_SMOKE"]) if os.environ.get("REPRISE_SMOKE") else None
+    if first_run.needs_first_run():
+        driver = smoke.drive_first_run(smoke_folder) if smoke_folder else None
+        first_run.offer_starter_model(on_shown=driver)
     window = MainWindow()
+    if smoke_folder:
+        smoke.WindowDriver(window, smoke_folder)
     window.show()
     return app.exec()

@@ -12,7 +12,14 @@ import secrets
 import time
 
 from PySide6.QtCore import QTimer, QUrl, Signal, Slot
-from PySide6.QtGui import QCursor, QDesktopServices, QGuiApplication, QImage, QTextDocument
+from PySide6.QtGui import (
+    QCursor,
+    QDesktopServices,
+    QGuiApplication,
+    QImage,
+    QTextCursor,
+    QTextDocument,
+)
 from PySide6.QtWidgets import QTextBrowser, QToolTip
 
 from app.ui.render import (
@@ -20,6 +27,7 @@ from app.ui.render import (
     code_blocks,
     conversation_html,
     is_web_url,
+    message_html,
     split_thinking,
 )
 
@@ -44,15 +52,24 @@ class ChatView(QTextBrowser):
         self._token = secrets.token_hex(16)
         self._thinking_open: set[int] = set()
         self._refresh = QTimer(self, singleShot=True, interval=_STREAM_REFRESH_MS)
-        self._refresh.timeout.connect(self.render)
+        self._refresh.timeout.connect(self.redraw_last)
+        self._tail_start: int | None = None  # where the last message begins in the document
 
     def show_messages(self, messages: list[RenderedMessage]) -> None:
         self.messages = messages
         self.render(scroll_to_end=True)
 
     def append_streaming(self, message: RenderedMessage) -> None:
+        """Add a message at the end; only the one before it is drawn again (it stops
+        being the last), not the whole conversation."""
+        if self._tail_start is None or not self.messages:
+            self.messages.append(message)
+            self.render(scroll_to_end=True)
+            return
+        self.redraw_last()  # the old last message, final now
         self.messages.append(message)
-        self.render(scroll_to_end=True)
+        self._tail_start = self._end()
+        self.redraw_last(scroll_to_end=True)
 
     @Slot(str)
     def add_text(self, delta: str) -> None:
@@ -62,23 +79,43 @@ class ChatView(QTextBrowser):
             if not self._refresh.isActive():
                 self._refresh.start()
 
-    def set_last_state(self, state: str, message_id: int | None = None) -> None:
-        if self.messages:
-            self.messages[-1].state = state
-            if message_id is not None:
-                self.messages[-1].id = message_id
-            self.render()
-
     def render(self, scroll_to_end: bool = False) -> None:
+        """Draw the whole conversation: the finished messages once, then the last one
+        apart, so a streaming reply redraws only itself (`redraw_last`)."""
+        for m in self.messages:
+            m.show_thinking = m.id in self._thinking_open
+        if not self.messages:
+            self._tail_start = None
+            self.setHtml(conversation_html([], self._token))
+            return
+        self.setHtml("".join(message_html(m, self._token) for m in self.messages[:-1]))
+        self._tail_start = self._end() if len(self.messages) > 1 else 0
+        self.redraw_last(scroll_to_end)
+
+    def _end(self) -> int:
+        return self.document().characterCount() - 1
+
+    @Slot()
+    def redraw_last(self, scroll_to_end: bool = False) -> None:
+        """Replace the last message's part of the document with its current HTML."""
+        if self._tail_start is None or not self.messages:
+            self.render(scroll_to_end)
+            return
         started = time.perf_counter()
         bar = self.verticalScrollBar()
         at_end = scroll_to_end or bar.value() >= bar.maximum() - 4
         position = bar.value()
-        for m in self.messages:
-            m.show_thinking = m.id in self._thinking_open
-        self.setHtml(conversation_html(self.messages, self._token))
+        last = self.messages[-1]
+        last.show_thinking = last.id in self._thinking_open
+        cursor = QTextCursor(self.document())
+        cursor.beginEditBlock()
+        cursor.setPosition(self._tail_start)
+        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+        cursor.insertHtml(message_html(last, self._token))
+        cursor.endEditBlock()
         bar.setValue(bar.maximum() if at_end else position)
-        # However long a render takes (a huge reply), the event loop keeps twice that time
+        # However long a redraw takes (a huge reply), the event loop keeps twice that time
         # between two refreshes of a streaming reply.
         spent_ms = int((time.perf_counter() - started) * 1000)
         self._refresh.setInterval(max(_STREAM_REFRESH_MS, 2 * spent_ms))

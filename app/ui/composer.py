@@ -27,6 +27,7 @@ class Composer(QWidget):
         self.edit = MessageEdit()
         self.edit.setPlaceholderText("Message (Enter sends, Shift+Enter for a new line)")
         self.edit.setFixedHeight(72)
+        self.edit.setTabChangesFocus(True)  # Tab leaves the box, as everywhere else
         self.button = QPushButton("Send")
         self.button.setMinimumWidth(80)
         layout = QHBoxLayout(self)
@@ -34,7 +35,7 @@ class Composer(QWidget):
         layout.addWidget(self.edit)
         layout.addWidget(self.button)
         self.generating = False
-        self.edit.submitted.connect(self._send)
+        self.edit.submitted.connect(self.send)
         self.button.clicked.connect(self._clicked)
 
     def set_generating(self, generating: bool) -> None:
@@ -45,9 +46,9 @@ class Composer(QWidget):
         if self.generating:
             self.stop_requested.emit()
         else:
-            self._send()
+            self.send()
 
-    def _send(self) -> None:
+    def send(self) -> None:
         text = self.edit.toPlainText().strip()
         if text and not self.generating:
             self.edit.clear()

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QElapsedTimer, Qt, Signal, Slot
-from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (
-    QApplication,
     QComboBox,
     QFileDialog,
     QInputDialog,
@@ -18,28 +17,38 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QMessageBox,
     QProgressBar,
-    QProgressDialog,
     QSplitter,
     QToolBar,
     QVBoxLayout,
     QWidget,
 )
 
-from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+from app import __version__
 from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
+from app.ui.context_meter import ContextMeter
+from app.ui.menus import build_menus
 from app.ui.preferences import PreferencesDialog
+from app.ui.quitting import wait_for_worker
+from app.ui.reading import export_name, rendered_messages, sidebar_entries
 from app.ui.render import RenderedMessage
 from app.ui.sidebar import Sidebar
-from app.ui.turn_status import PROGRESS_AFTER_MS, TurnStatus
+from app.ui.turn_status import TurnStatus
 from app.worker import NEW_CONVERSATION, WorkerThread
 from sessions import paths
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
 from sessions.settings import Settings
+
+if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the first paint
+    from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+    from app.service.chat import ContextUse
+
+
+COUNT_AFTER_MS = 300
 
 
 class MainWindow(QMainWindow):
@@ -48,6 +57,8 @@ class MainWindow(QMainWindow):
     send_requested = Signal(int, str)
     regenerate_requested = Signal(int)
     edit_requested = Signal(int, str)
+    continue_requested = Signal(int)  # an assistant message
+    context_requested = Signal(int, str)  # conversation (NEW_CONVERSATION: none), draft
     rename_requested = Signal(int, str)
     delete_requested = Signal(int)
     branch_requested = Signal(int, int)  # conversation, message
@@ -57,17 +68,21 @@ class MainWindow(QMainWindow):
 
     def __init__(self) -> None:
         super().__init__()
-        self.setWindowTitle("Reprise")
+        self.setWindowTitle(f"Reprise {__version__}")
         self.resize(1100, 720)
         self.db = open_db(read_only=True)
         self.store = ConversationStore(self.db)
         self.index = CacheIndex(self.db)
         self.conversation_id: int | None = None
+        self._asked: Preferences | None = None  # asked to be saved, not saved yet
         self.generating = False
 
         self.sidebar = Sidebar()
         self.chat = ChatView()
         self.composer = Composer()
+        self.meter = ContextMeter()
+        # Count the draft once typing pauses, not at every key.
+        self._count_soon = QTimer(self, singleShot=True, interval=COUNT_AFTER_MS)
         self.model_picker = QComboBox()
         self.model_picker.setMinimumWidth(240)
         self.model_state = QLabel("Loading model…")
@@ -77,7 +92,7 @@ class MainWindow(QMainWindow):
         self.model_loading.setMaximumWidth(120)
         self._build_layout()
         self.status = TurnStatus(self.statusBar())
-        self._build_actions()
+        build_menus(self)
 
         self.engine = WorkerThread()
         self._wire()
@@ -88,7 +103,19 @@ class MainWindow(QMainWindow):
         self.load_model_requested.emit(self.model_picker.currentText())
 
     def preferences(self) -> Preferences:
-        return Preferences.load(Settings(self.db))
+        """The preferences as the user last set them: the ones asked for and not yet
+        saved by the worker, or else the saved ones."""
+        return self._asked or Preferences.load(Settings(self.db))
+
+    def ask_to_save(self, prefs: Preferences) -> None:
+        """Each request builds on the one before, even before the worker has saved it."""
+        self._asked = prefs
+        self.save_preferences_requested.emit(prefs)
+
+    @Slot(object)
+    def on_preferences_saved(self, prefs: Preferences) -> None:
+        if prefs is self._asked:
+            self._asked = None
 
     # -- layout and wiring -----------------------------------------------------
 
@@ -97,6 +124,7 @@ class MainWindow(QMainWindow):
         column = QVBoxLayout(right)
         column.addWidget(self.chat, 1)
         column.addWidget(self.composer)
+        column.addWidget(self.meter)
         splitter = QSplitter()
         splitter.addWidget(self.sidebar)
         splitter.addWidget(right)
@@ -113,31 +141,6 @@ class MainWindow(QMainWindow):
         self.model_loading_action = toolbar.addWidget(self.model_loading)
         self.addToolBar(toolbar)
 
-    def _build_actions(self) -> None:
-        def action(text: str, shortcut, slot) -> QAction:
-            item = QAction(text, self)
-            item.setShortcut(shortcut)
-            item.triggered.connect(slot)
-            self.addAction(item)
-            return item
-
-        menu = self.menuBar().addMenu("&File")
-        menu.addAction(action("New chat", QKeySequence.StandardKey.New, self.new_chat))
-        menu.addAction(
-            action("Find in chats", QKeySequence.StandardKey.Find, self.sidebar.search.setFocus)
-        )
-        preferences = QKeySequence(QKeySequence.StandardKey.Preferences)
-        menu.addAction(
-            action(
-                "Preferences…",
-                preferences if not preferences.isEmpty() else QKeySequence("Ctrl+,"),
-                self.open_preferences,
-            )
-        )
-        menu.addAction(action("Models…", QKeySequence("Ctrl+Shift+M"), self.open_models))
-        menu.addSeparator()
-        menu.addAction(action("Quit", QKeySequence.StandardKey.Quit, self.close))
-
     def _wire(self) -> None:
         """Every connection to and from the worker, in one place. Each handler of a
         worker signal is a slot of an object on this (the GUI) thread, so Qt queues
@@ -148,6 +151,8 @@ class MainWindow(QMainWindow):
             (self.send_requested, worker.send),
             (self.regenerate_requested, worker.regenerate),
             (self.edit_requested, worker.edit),
+            (self.continue_requested, worker.continue_reply),
+            (self.context_requested, worker.count_context),
             (self.rename_requested, worker.rename),
             (self.delete_requested, worker.delete),
             (self.branch_requested, worker.select_branch),
@@ -157,16 +162,22 @@ class MainWindow(QMainWindow):
         ):
             request.connect(slot)
         worker.model_loaded.connect(self.on_model_loaded)
+        worker.preferences_saved.connect(self.on_preferences_saved)
         worker.conversation_started.connect(self.on_conversation_started)
         worker.restored.connect(self.on_restored)
         worker.text_delta.connect(self.chat.add_text)
         worker.text_delta.connect(self.status.on_first_text)
+        worker.text_delta.connect(self.status.on_text)
         worker.prompt_progress.connect(self.status.on_prompt_progress)
         worker.finished.connect(self.on_finished)
         worker.saved.connect(self.on_saved)
         worker.changed.connect(self.on_changed)
         worker.failed.connect(self.on_failed)
         worker.busy_changed.connect(self.on_busy)
+        worker.context_counted.connect(self.on_context_counted)
+        self.composer.edit.textChanged.connect(self._count_soon.start)
+        self._count_soon.timeout.connect(self.ask_context)
+        self.meter.new_chat_requested.connect(self.send_in_new_chat)
         self.composer.send_requested.connect(self.send)
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
         self.composer.stop_requested.connect(worker.stop, Qt.ConnectionType.DirectConnection)
@@ -194,7 +205,7 @@ class MainWindow(QMainWindow):
     @Slot()
     def on_model_picked(self) -> None:
         name = self.model_picker.currentText()
-        self.save_preferences_requested.emit(replace(self.preferences(), model=name))
+        self.ask_to_save(replace(self.preferences(), model=name))
         self.model_state.setText("Loading model…")
         self.model_loading_action.setVisible(True)
         self.load_model_requested.emit(name)
@@ -204,6 +215,7 @@ class MainWindow(QMainWindow):
         self.model_state.setText(f"Ready ({compute})")
         self.model_loading_action.setVisible(False)
         self.model_picker.setCurrentText(name)
+        self.ask_context()
 
     # -- conversations -----------------------------------------------------------
 
@@ -211,14 +223,7 @@ class MainWindow(QMainWindow):
     @Slot(str)
     def refresh_sidebar(self, *_args) -> None:
         query = self.sidebar.search.text().strip()
-        caches = {c["conversation_id"]: c for c in self.index.conversations_summary()}
-        if query:
-            seen: dict[int, str] = {}
-            for conversation, _message in self.store.search(query):
-                seen.setdefault(conversation.id, conversation.title)
-            entries = [(cid, title, caches.get(cid)) for cid, title in seen.items()]
-        else:
-            entries = [(c.id, c.title, caches.get(c.id)) for c in self.store.list()]
+        entries = sidebar_entries(self.store, self.index, query)
         self.sidebar.show_conversations(entries, self.conversation_id)
 
     @Slot()
@@ -234,31 +239,47 @@ class MainWindow(QMainWindow):
         self.conversation_id = conversation_id
         self.chat.show_messages(self._rendered(conversation_id))
         self.status.say("")
+        self.status.clear_figures()
+        self.sidebar.select(conversation_id)
+        self.meter.clear()
+        self.ask_context()
 
     def _rendered(self, conversation_id: int | None) -> list[RenderedMessage]:
-        if conversation_id is None:
-            return []
-        messages = self.store.get(conversation_id).messages
-        rendered = []
-        for i, m in enumerate(messages):
-            siblings = self.store.siblings(m.id)
-            index = [s.id for s in siblings].index(m.id) + 1
-            rendered.append(
-                RenderedMessage(
-                    m.id,
-                    m.role,
-                    m.content,
-                    m.state,
-                    (index, len(siblings)),
-                    is_last=i == len(messages) - 1,
-                )
-            )
-        return rendered
+        return rendered_messages(self.store, conversation_id)
 
     # -- a turn --------------------------------------------------------------------
 
+    # -- the context meter ----------------------------------------------------------
+
+    @Slot()
+    def ask_context(self) -> None:
+        """Ask the worker to count the chat and the draft (it has the tokenizer)."""
+        if self.generating or not self.model_state.text().startswith("Ready"):
+            return
+        draft = self.composer.edit.toPlainText()
+        self.context_requested.emit(self.conversation_id or NEW_CONVERSATION, draft)
+
+    @Slot(object)
+    def on_context_counted(self, use: ContextUse) -> None:
+        current = use.conversation_id == self.conversation_id
+        if current and use.draft_text == self.composer.edit.toPlainText():
+            self.meter.show_use(use)
+
+    def _known_not_to_fit(self, text: str) -> bool:
+        use = self.meter.use
+        counted = use is not None and use.conversation_id == self.conversation_id
+        return counted and use.draft_text.strip() == text and not use.fits
+
+    @Slot()
+    def send_in_new_chat(self) -> None:
+        self.show_conversation(None)
+        self.composer.send()
+
     @Slot(str)
     def send(self, text: str) -> None:
+        if self._known_not_to_fit(text):
+            self.composer.edit.setPlainText(text)  # kept: the meter says why and what to do
+            return
         self.chat.append_streaming(RenderedMessage(-1, "user", text))
         self._start_turn()
         self.send_requested.emit(self.conversation_id or NEW_CONVERSATION, text)
@@ -268,6 +289,16 @@ class MainWindow(QMainWindow):
             self.chat.messages.pop()
         self._start_turn()
         self.regenerate_requested.emit(self.conversation_id)
+
+    def continue_reply(self, message_id: int) -> None:
+        """More of the last reply, streamed into the same bubble."""
+        last = self.chat.messages[-1] if self.chat.messages else None
+        if last is None or last.id != message_id:
+            return
+        last.state, last.cut = "streaming", False
+        self.chat.redraw_last(scroll_to_end=True)
+        self.status.begin()
+        self.continue_requested.emit(message_id)
 
     def edit(self, message_id: int) -> None:
         message = self.store.message(message_id)
@@ -285,6 +316,9 @@ class MainWindow(QMainWindow):
     def _start_turn(self) -> None:
         self.chat.append_streaming(RenderedMessage(-2, "assistant", "", state="streaming"))
         self.status.begin()
+        if not self.model_state.text().startswith("Ready"):
+            # The worker answers once the model it is loading is in (requests are queued).
+            self.status.say("Waiting for the model to load…")
 
     @Slot(str, int)
     def on_chat_action(self, verb: str, message_id: int) -> None:
@@ -294,6 +328,8 @@ class MainWindow(QMainWindow):
             self.regenerate()
         elif verb == "edit":
             self.edit(message_id)
+        elif verb == "continue":
+            self.continue_reply(message_id)
         elif verb in ("branch-prev", "branch-next"):
             siblings = [s.id for s in self.store.siblings(message_id)]
             step = -1 if verb == "branch-prev" else 1
@@ -310,6 +346,8 @@ class MainWindow(QMainWindow):
         self.generating = busy
         self.composer.set_generating(busy)
         self.status.on_busy(busy)
+        if not busy:
+            self.ask_context()  # the chat changed: count it again
 
     @Slot(object)
     def on_restored(self, info: RestoreInfo) -> None:
@@ -322,6 +360,7 @@ class MainWindow(QMainWindow):
             self.chat.show_messages(self._rendered(self.conversation_id))
         self.status.on_finished(reply)
         self.refresh_sidebar()
+        self.ask_context()
 
     @Slot(object)
     def on_saved(self, saved: CacheSaved) -> None:
@@ -369,7 +408,7 @@ class MainWindow(QMainWindow):
     @Slot(int, str)
     def export(self, conversation_id: int, fmt: str) -> None:
         suffix = ".md" if fmt == "markdown" else ".json"
-        title = self.store.get(conversation_id).title or "chat"
+        title = export_name(self.store.get(conversation_id).title)
         name, _ = QFileDialog.getSaveFileName(self, "Export", str(Path.home() / f"{title}{suffix}"))
         if name:
             self.export_requested.emit(conversation_id, fmt, name)
@@ -381,7 +420,7 @@ class MainWindow(QMainWindow):
         dialog = PreferencesDialog(self.preferences(), self.index.usage()[1], self)
         dialog.clear_caches_requested.connect(self.clear_caches_requested)
         if dialog.exec() and dialog.chosen is not None:
-            self.save_preferences_requested.emit(dialog.chosen)
+            self.ask_to_save(dialog.chosen)
 
     @Slot()
     def open_models(self) -> None:
@@ -395,18 +434,5 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:
         """Stop a reply, let the worker finish its save, then go."""
-        self.engine.worker.stop()
-        self.engine.thread.quit()
-        clock = QElapsedTimer()
-        clock.start()
-        waiting = None
-        while not self.engine.thread.wait(50):
-            if waiting is None and clock.elapsed() > PROGRESS_AFTER_MS:
-                waiting = QProgressDialog("Saving the conversation…", "", 0, 0, self)
-                waiting.setCancelButton(None)
-                waiting.setWindowModality(Qt.WindowModality.WindowModal)
-                waiting.show()
-            QApplication.processEvents()
-        if waiting is not None:
-            waiting.close()
+        wait_for_worker(self.engine, self)
         event.accept()

@@ -38,7 +38,14 @@ KV_FIGURES = resource("kv-bench.json")
 
 
 def kv_label(bits: int | None) -> str:
-    return "Off (16-bit)" if bits is None else f"{bits}-bit"
+    """The KV choice in the words the whole window uses (the status bar too)."""
+    return "Off (full precision)" if bits is None else f"{bits}-bit"
+
+
+def kv_label_of(kv_format: str) -> str:
+    """A finished turn's cache format ("4-bit (group 64, ...)", "float32") in those words."""
+    kind = kv_format.split(" (")[0]
+    return kind if kind in ("8-bit", "4-bit") else kv_label(None)
 
 
 def kv_tradeoffs(path: Traversable = KV_FIGURES) -> dict[int | None, str]:

@@ -59,6 +59,13 @@ class RenderedMessage:
     branch: tuple[int, int] | None = None  # (index, count) among siblings, 1-based
     show_thinking: bool = False
     is_last: bool = False
+    cut: bool = False  # the reply reached the length limit before it was done
+
+    @property
+    def can_continue(self) -> bool:
+        """A last reply that stopped before its end: cut, stopped or interrupted."""
+        unfinished = self.cut or self.state in ("cancelled", "interrupted")
+        return self.role == "assistant" and self.is_last and unfinished
 
 
 def split_thinking(text: str) -> tuple[str | None, str]:
@@ -122,7 +129,9 @@ def _render_fence(self, tokens, idx, options, env) -> str:
         f'<table width="100%" cellpadding="6" style="background:{CODE_BG};'
         f' margin:4px 0"><tr><td><span style="color:#888">{visible_text(language or "code")}'
         f'</span> &nbsp; <a href="{href}">Copy</a>'
-        f'<pre style="margin:2px 0">{_highlight(language, token.content, env)}</pre>'
+        # Wrapped: one long line must not widen the whole transcript.
+        f'<pre style="margin:2px 0; white-space: pre-wrap">'
+        f"{_highlight(language, token.content, env)}</pre>"
         "</td></tr></table>"
     )
 
@@ -277,15 +286,26 @@ def message_html(message: RenderedMessage, token: str = "") -> str:
         parts.append('<p style="color:#999">▍</p>')
     elif message.state == "cancelled":
         parts.append('<p style="color:#a66"><i>Stopped</i></p>')
+    elif message.state == "interrupted":
+        parts.append('<p style="color:#a66"><i>Interrupted (the app was closed)</i></p>')
+    elif message.cut:
+        parts.append('<p style="color:#a66"><i>Cut at the length limit</i></p>')
 
     links = [link("copy-msg", "Copy")]
     if message.role == "user":
         links.append(link("edit", "Edit"))
     if message.role == "assistant" and message.is_last and message.state != "streaming":
         links.append(link("regenerate", "Regenerate", 0))
+    if message.can_continue:
+        links.append(link("continue", "Continue"))
     if message.branch and message.branch[1] > 1:
         index, count = message.branch
-        links.insert(0, f"{link('branch-prev', '‹')} {index}/{count} {link('branch-next', '›')}")
+        # Arrows as words-sized targets, not 5-pixel glyphs.
+        back, forward = (
+            link("branch-prev", "&nbsp;◀ Previous&nbsp;"),
+            link("branch-next", "&nbsp;Next ▶&nbsp;"),
+        )
+        links.insert(0, f"{back} {index}/{count} {forward}")
     footer = f'<p style="color:#888; font-size:small">{" &nbsp; ".join(links)}</p>'
 
     who = "You" if message.role == "user" else "Assistant"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import date, datetime
+
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QLineEdit,
@@ -12,6 +15,44 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+
+SNIPPET_CHARS = 60
+
+
+@dataclass(frozen=True)
+class SidebarEntry:
+    conversation_id: int
+    title: str
+    cache: dict | None
+    updated: str  # ISO time of the last change
+    snippet: str = ""  # a search's matching text
+
+
+def day_label(iso_time: str, today: date | None = None) -> str:
+    """ "Today", "Yesterday", a weekday within the week, else the date (local time)."""
+    try:
+        day = datetime.fromisoformat(iso_time).astimezone().date()
+    except ValueError:
+        return ""
+    today = today or datetime.now().astimezone().date()
+    age = (today - day).days
+    if age == 0:
+        return "Today"
+    if age == 1:
+        return "Yesterday"
+    if 1 < age < 7:
+        return day.strftime("%A")
+    return day.isoformat()
+
+
+def snippet(text: str, query: str) -> str:
+    """The part of `text` around the first word of `query` it holds, on one line."""
+    flat = " ".join(text.split())
+    words = [w for w in query.lower().split() if w]
+    at = min((i for i in (flat.lower().find(w) for w in words) if i >= 0), default=0)
+    start = max(0, at - SNIPPET_CHARS // 3)
+    piece = flat[start : start + SNIPPET_CHARS]
+    return ("…" if start else "") + piece + ("…" if start + SNIPPET_CHARS < len(flat) else "")
 
 
 def describe_cache(info: dict | None) -> str:
@@ -47,19 +88,35 @@ class Sidebar(QWidget):
         self.list.currentItemChanged.connect(self._selected)
         self.list.customContextMenuRequested.connect(self._menu)
 
-    def show_conversations(
-        self, entries: list[tuple[int, str, dict | None]], current: int | None
-    ) -> None:
-        """entries: (id, title, cache info) in display order."""
+    def show_conversations(self, entries: list[SidebarEntry], current: int | None) -> None:
+        """Entries in display order: the title, the day and the cache; a search's match."""
         self.list.blockSignals(True)
         self.list.clear()
-        for conversation_id, title, cache in entries:
-            item = QListWidgetItem(f"{title or 'New chat'}\n{describe_cache(cache)}")
+        for entry in entries:
+            conversation_id = entry.conversation_id
+            when = day_label(entry.updated)
+            lines = [
+                entry.title or "New chat",
+                " · ".join(filter(None, [when, describe_cache(entry.cache)])),
+            ]
+            if entry.snippet:
+                lines.append(entry.snippet)
+            item = QListWidgetItem("\n".join(lines))
             item.setData(Qt.ItemDataRole.UserRole, conversation_id)
-            item.setToolTip(title)
+            item.setToolTip(entry.title)
             self.list.addItem(item)
             if conversation_id == current:
                 self.list.setCurrentItem(item)
+        self.list.blockSignals(False)
+
+    def select(self, conversation_id: int | None) -> None:
+        """Highlight the chat on view (none for a new chat), without asking to show it."""
+        self.list.blockSignals(True)
+        self.list.clearSelection()
+        self.list.setCurrentRow(-1)
+        for row in range(self.list.count()):
+            if self.list.item(row).data(Qt.ItemDataRole.UserRole) == conversation_id:
+                self.list.setCurrentRow(row)
         self.list.blockSignals(False)
 
     def _selected(self, item: QListWidgetItem | None) -> None:

@@ -3,13 +3,28 @@ for a slow start, and the finished reply's speed and memory."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from PySide6.QtCore import QElapsedTimer, QObject, QTimer, Slot
 from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar
 
-from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+from app.ui.preferences import kv_label_of
+
+if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the first paint
+    from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+
 
 # Show a progress bar only for prefill or restore that takes longer than this.
 PROGRESS_AFTER_MS = 500
+# The live count while a reply streams is redrawn at most this often.
+LIVE_FIGURES_MS = 250
+
+
+def live_text(pieces: int, seconds: float) -> str:
+    """The streaming reply's figures. A piece is one streamed text segment, one token
+    nearly always (a multi-byte character can take two), hence the "≈"."""
+    rate = f" · {pieces / seconds:.1f} tok/s" if seconds > 0 else ""
+    return f"≈{pieces:,} tokens{rate}"
 
 
 def restore_text(source: str, tokens: int, seconds: float) -> str:
@@ -24,10 +39,10 @@ def restore_text(source: str, tokens: int, seconds: float) -> str:
 def stats_text(reply: ReplyFinished) -> str:
     stats = reply.stats
     context = stats.prompt_tokens + stats.generated_tokens
-    kind = stats.kv_format.split(" (")[0]  # "4-bit (group 64, ...)": the rest in a tooltip
+    kind = kv_label_of(stats.kv_format)  # the Preferences' words; the details in a tooltip
     return (
         f"{stats.decode_tps:.1f} tok/s · context {context:,} tokens · "
-        f"KV {stats.kv_bytes / 1e6:.1f} MB ({kind})"
+        f"KV {stats.kv_bytes / 1e6:.1f} MB · {kind}"
     )
 
 
@@ -44,6 +59,9 @@ class TurnStatus(QObject):
         status_bar.addPermanentWidget(self.stats)
         self.busy = False
         self._clock = QElapsedTimer()
+        self._decode_clock = QElapsedTimer()  # from the first streamed text
+        self._pieces = 0
+        self._drawn_at = 0
         # Restoring a cache reports no steps: a busy bar if the reply is slow to start.
         self._slow_start = QTimer(self, singleShot=True, interval=PROGRESS_AFTER_MS)
         self._slow_start.timeout.connect(self.on_slow_start)
@@ -52,9 +70,29 @@ class TurnStatus(QObject):
         self._clock.start()
         self._slow_start.start()
         self.message.setText("Thinking…")
+        self.clear_figures()
 
     def say(self, text: str) -> None:
         self.message.setText(text)
+
+    def clear_figures(self) -> None:
+        """No figures from another turn or another chat stay on screen."""
+        self.stats.setText("")
+        self.stats.setToolTip("")
+        self._pieces = 0
+        self._drawn_at = 0
+        self._decode_clock.invalidate()
+
+    @Slot(str)
+    def on_text(self, _text: str) -> None:
+        """Count the streaming reply and show its figures, a few times a second."""
+        if not self._decode_clock.isValid():
+            self._decode_clock.start()
+        self._pieces += 1
+        elapsed = self._decode_clock.elapsed()
+        if self._pieces == 1 or elapsed - self._drawn_at >= LIVE_FIGURES_MS:
+            self._drawn_at = elapsed
+            self.stats.setText(live_text(self._pieces, elapsed / 1000))
 
     @Slot(bool)
     def on_busy(self, busy: bool) -> None:
@@ -94,7 +132,7 @@ class TurnStatus(QObject):
     def on_finished(self, reply: ReplyFinished) -> None:
         self.progress.hide()
         self.stats.setText(stats_text(reply))
-        self.stats.setToolTip(f"KV cache: {reply.stats.kv_format}")
+        self.stats.setToolTip(f"KV cache as stored in memory: {reply.stats.kv_format}")
         if reply.stats.finish_reason == "cancelled":
             self.message.setText("Stopped")
 

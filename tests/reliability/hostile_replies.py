@@ -13,7 +13,7 @@ import zlib
 SECRET = "SECRETWORD"
 
 
-def _png(size: int = 300) -> bytes:
+def png(size: int = 300) -> bytes:
     """A real PNG of `size` x `size` pixels (big enough to see if it were ever shown)."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
@@ -30,7 +30,7 @@ def _png(size: int = 300) -> bytes:
     )
 
 
-DATA_PNG = "data:image/png;base64," + base64.b64encode(_png()).decode()
+DATA_PNG = "data:image/png;base64," + base64.b64encode(png()).decode()
 
 # What a reply tries to do with raw HTML.
 RAW_HTML = {

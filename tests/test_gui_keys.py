@@ -1,0 +1,81 @@
+"""The window by keyboard: Tab leaves the message box, Esc stops, shortcuts for the rest,
+all listed in the Help menu."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QGuiApplication
+from test_gui import READY_MS, library, open_window, prefer, send, wait_reply  # noqa: F401
+
+from app import __version__
+from app.ui.menus import about_text, shortcut_list
+
+CTRL = Qt.KeyboardModifier.ControlModifier
+SHIFT = Qt.KeyboardModifier.ShiftModifier
+
+
+def active(qtbot, window):
+    window.activateWindow()
+    qtbot.waitUntil(window.isActiveWindow, timeout=5_000)
+    return window
+
+
+def test_tab_leaves_the_message_box(qtbot, open_window):  # noqa: F811
+    window = active(qtbot, open_window())
+    box = window.composer.edit
+    box.setFocus()
+    box.setPlainText("draft")
+    qtbot.keyClick(box, Qt.Key.Key_Tab)
+    assert box.toPlainText() == "draft"  # no tab typed
+    assert not box.hasFocus()
+    qtbot.keyClick(QGuiApplication.focusObject(), Qt.Key.Key_Backtab)
+    assert box.hasFocus()
+
+
+def test_escape_stops_a_reply(qtbot, open_window):  # noqa: F811
+    window = active(qtbot, open_window())
+    prefer(window, max_tokens=2000)
+    window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
+    wait_reply(qtbot, window)
+    assert window.store.get(window.conversation_id).messages[-1].state == "cancelled"
+
+
+def test_shortcuts_copy_switch_chats_and_find(qtbot, open_window):  # noqa: F811
+    window = active(qtbot, open_window())
+    send(qtbot, window, "Tell me about penguins.", greedy_tokens=8)
+    first = window.conversation_id
+    window.new_chat()
+    send(qtbot, window, "Tell me about volcanoes.", greedy_tokens=8)
+    second = window.conversation_id
+    box = window.composer.edit
+
+    qtbot.keyClick(box, Qt.Key.Key_C, CTRL | SHIFT)
+    assert QGuiApplication.clipboard().text() == window.chat.messages[-1].content
+    qtbot.keyClick(box, Qt.Key.Key_PageDown, CTRL)  # the list is newest first
+    assert window.conversation_id == first
+    assert window.chat.messages[0].content == "Tell me about penguins."
+    qtbot.keyClick(box, Qt.Key.Key_PageUp, CTRL)
+    assert window.conversation_id == second
+    qtbot.keyClick(box, Qt.Key.Key_F, CTRL)
+    assert window.sidebar.search.hasFocus()
+
+    with qtbot.waitSignal(window.engine.worker.finished, timeout=READY_MS):
+        qtbot.keyClick(window.sidebar.search, Qt.Key.Key_R, CTRL)  # regenerate
+    wait_reply(qtbot, window)
+    assert window.chat.messages[-1].branch == (2, 2)
+
+
+def test_the_help_menu_lists_the_shortcuts_and_the_version(qtbot, open_window):  # noqa: F811
+    window = open_window()
+    menus = [a.text() for a in window.menuBar().actions()]
+    assert menus == ["&File", "&Chat", "&Help"]
+    help_items = [a.text() for a in window.menuBar().actions()[-1].menu().actions()]
+    assert help_items == ["Keyboard shortcuts", "About Reprise"]
+    listed = shortcut_list(window)
+    for line in ("Esc\tStop the reply", "Ctrl+R\tRegenerate", "Ctrl+Shift+C\tCopy the last"):
+        assert line in listed
+    assert f"Reprise {__version__}" in about_text()
+    assert window.windowTitle() == f"Reprise {__version__}"

@@ -1,0 +1,43 @@
+"""The chat view draws a finished message once: a streaming reply redraws only itself."""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import QTextEdit
+
+from app.bench.ui import stream_row
+from app.ui.chat_view import ChatView
+from app.ui.render import RenderedMessage
+
+
+def conversation(count: int) -> list[RenderedMessage]:
+    return [
+        RenderedMessage(i, "user" if i % 2 else "assistant", f"Message {i}\n\n```py\nx = {i}\n```")
+        for i in range(1, count + 1)
+    ]
+
+
+def test_streaming_redraws_only_the_last_message(qtbot, monkeypatch):
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.show_messages(conversation(50))
+    view.append_streaming(RenderedMessage(-2, "assistant", "", state="streaming"))
+    whole_redraws = []
+    original = QTextEdit.setHtml
+    monkeypatch.setattr(
+        QTextEdit, "setHtml", lambda self, h: (whole_redraws.append(1), original(self, h))
+    )
+    for piece in ("Here ", "is **bold", "** text and `code`", " and more."):
+        view.add_text(piece)
+        qtbot.waitUntil(lambda: not view._refresh.isActive(), timeout=5_000)
+    assert whole_redraws == []
+    assert "Here is bold text and code and more." in view.toPlainText()
+
+    fresh = ChatView()  # what a full drawing of the same messages shows
+    qtbot.addWidget(fresh)
+    fresh.show_messages(view.messages)
+    assert view.toPlainText() == fresh.toPlainText()
+
+
+def test_the_ui_bench_streams_into_the_real_window(qtbot):
+    row = stream_row(10)
+    assert row["messages"] == 11 and row["ticks"] > 100 and row["max_gap_ms"] >= 0

@@ -1,0 +1,62 @@
+"""Start-up as a user meets it: the window paints before the engine is imported, and a
+message typed while the model loads is answered once it is in."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from test_gui import READY_MS, library, prefer, wait_reply  # noqa: F401  (fixtures)
+
+from app.ui.main_window import MainWindow
+
+# Notes which thread first imports each heavy package, then starts the window as `reprise` does.
+SHOWN_WITHOUT_THE_ENGINE = """
+import sys, threading
+HEAVY = ("mlx", "mlx_lm", "transformers")
+on_gui_thread = set()
+
+class Note:
+    def find_spec(self, name, path=None, target=None):
+        if name in HEAVY and threading.current_thread() is threading.main_thread():
+            on_gui_thread.add(name)
+        return None
+
+sys.meta_path.insert(0, Note())
+import app.engine
+from PySide6.QtWidgets import QApplication
+app = QApplication(sys.argv)
+from app.ui.main_window import MainWindow
+window = MainWindow()
+window.show()
+app.processEvents()
+print("imported on the GUI thread:", sorted(on_gui_thread))
+window.close()
+"""
+
+
+def test_the_window_thread_never_imports_mlx(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", SHOWN_WITHOUT_THE_ENGINE],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "imported on the GUI thread: []" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_message_typed_while_the_model_loads_is_answered(qtbot, library):  # noqa: F811
+    window = MainWindow()
+    qtbot.addWidget(window)
+    window.show()
+    assert window.model_state.text() == "Loading model…"
+    prefer(window, temperature=0.0, max_tokens=8)
+    window.composer.edit.setPlainText("Hello there")
+    window.composer.edit.submitted.emit()
+    assert window.status.message.text() == "Waiting for the model to load…"
+    wait_reply(qtbot, window)
+    assert window.model_state.text().startswith("Ready")
+    assert [m.role for m in window.chat.messages] == ["user", "assistant"]
+    assert window.chat.messages[-1].content
+    window.close()

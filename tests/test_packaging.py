@@ -1,0 +1,173 @@
+"""What can be checked of the bundles without building them (the build itself is
+`make package-test`, too slow for `make test`): both PyInstaller specs parse, every
+module they name exists here (or is marked macOS-only), the entry point and the
+resources they ship resolve, the Info.plist says what the Mac needs, the .desktop
+file names the icon; Qt and platformdirs agree on the app's folders; the first
+start offers the starter model; the self-driving smoke run chats one turn."""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import importlib.util
+import json
+import os
+import plistlib
+import subprocess
+import sys
+from pathlib import Path
+
+import platformdirs
+import pytest
+from PySide6.QtCore import QStandardPaths
+from PySide6.QtWidgets import QApplication
+
+import app
+from app.resource_files import resource
+
+ROOT = Path(__file__).parents[1]
+PACKAGING = ROOT / "packaging"
+sys.path.insert(0, str(PACKAGING))
+import hidden_imports  # noqa: E402
+
+SPECS = [PACKAGING / "linux" / "reprise.spec", PACKAGING / "macos" / "reprise.spec"]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda p: p.parent.name)
+def test_the_spec_parses_and_builds_a_bundle(spec):
+    tree = ast.parse(spec.read_text(), filename=str(spec))
+    called = {
+        n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and hasattr(n.func, "id")
+    }
+    assert {"Analysis", "PYZ", "EXE", "COLLECT"} <= called
+    if spec.parent.name == "macos":
+        assert "BUNDLE" in called
+    assert "reprise_entry.py" in spec.read_text()
+
+
+def test_every_hidden_import_exists_here():
+    missing = [m for m in hidden_imports.HIDDEN_IMPORTS if importlib.util.find_spec(m) is None]
+    assert missing == []
+    for package in hidden_imports.COLLECTED_PACKAGES:
+        assert importlib.util.find_spec(package) is not None, package
+    # What is marked macOS-only is excluded from the Mac build and not needed here.
+    mac_spec = SPECS[1].read_text()
+    assert "MACOS_ONLY_IMPORTS" in mac_spec
+    assert not set(hidden_imports.MACOS_ONLY_IMPORTS) & set(hidden_imports.HIDDEN_IMPORTS)
+
+
+def test_the_transformers_filter_keeps_tokenizers_and_drops_model_code():
+    keep = hidden_imports.keep_transformers_module
+    assert keep("transformers.models.llama.tokenization_llama_fast")
+    assert keep("transformers.models.auto.configuration_auto")
+    assert keep("transformers.tokenization_utils_base")
+    assert not keep("transformers.models.llama.modeling_llama")
+    assert not keep("transformers.commands.serving")
+
+
+def test_the_entry_point_is_the_console_script():
+    entry = (PACKAGING / "reprise_entry.py").read_text()
+    assert "from app.cli import main" in entry
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'reprise = "app.cli:main"' in pyproject
+    done = subprocess.run(
+        [sys.executable, str(PACKAGING / "reprise_entry.py"), "--version"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.stdout.strip() == f"reprise {app.__version__}", done.stderr
+
+
+def test_the_icons_each_platform_needs_are_there():
+    for size in (16, 32, 48, 64, 128, 256, 512, 1024):  # hicolor, and the macOS iconset's @2x
+        assert resource(f"icons/reprise-{size}.png").is_file(), size
+    assert resource("icons/reprise.svg").is_file()
+    icns = (PACKAGING / "macos" / "make_icns.sh").read_text()
+    assert "iconutil -c icns" in icns
+
+
+def test_the_info_plist_describes_an_apple_silicon_app_for_macos_14():
+    info = plistlib.loads((PACKAGING / "macos" / "Info.plist").read_bytes())
+    assert info["CFBundleIdentifier"] == "app.reprise.Reprise"
+    assert info["CFBundleShortVersionString"] == app.__version__
+    assert info["LSMinimumSystemVersion"] == "14.0"
+    assert info["LSArchitecturePriority"] == ["arm64"]
+    assert 'target_arch="arm64"' in SPECS[1].read_text()
+    assert "metallib" in SPECS[1].read_text()
+
+
+def test_the_desktop_file_starts_reprise_with_its_icon():
+    desktop = configparser.ConfigParser(interpolation=None)
+    desktop.read(PACKAGING / "linux" / "reprise.desktop")
+    entry = desktop["Desktop Entry"]
+    assert (entry["Type"], entry["Exec"], entry["Icon"]) == ("Application", "reprise", "reprise")
+    from app.ui.app import DESKTOP_FILE
+
+    assert DESKTOP_FILE == "reprise"
+
+
+def test_qt_and_platformdirs_name_the_same_folders(qapp, monkeypatch):
+    from app.ui.app import name_application
+
+    name_application(qapp)
+    Location = QStandardPaths.StandardLocation
+    assert QStandardPaths.writableLocation(Location.AppDataLocation) == (
+        platformdirs.user_data_dir("Reprise")
+    )
+    assert QStandardPaths.writableLocation(Location.CacheLocation) == (
+        platformdirs.user_cache_dir("Reprise")
+    )
+    assert not qapp.windowIcon().isNull()
+    assert QApplication.applicationName() == "Reprise"
+
+
+def test_the_first_start_offers_the_starter_model_from_downloads(qtbot, tmp_path, monkeypatch):
+    from app.ui import first_run
+    from app.worker import WorkerThread
+
+    assert first_run.needs_first_run()  # the test's models folder is empty
+    monkeypatch.delenv("REPRISE_STARTER_GGUF", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert first_run.starter_gguf() is None
+    (tmp_path / "Downloads").mkdir()
+    gguf = tmp_path / "Downloads" / first_run.STARTER_FILE
+    gguf.write_bytes(b"GGUF")
+    assert first_run.starter_gguf() == gguf
+    engine = WorkerThread()
+    try:
+        offered = first_run.FirstRunDialog(engine.worker, gguf)
+        qtbot.addWidget(offered)
+        assert offered.import_button.isEnabled()
+        assert str(gguf) in offered.message.text()
+        nothing = first_run.FirstRunDialog(engine.worker, None)
+        qtbot.addWidget(nothing)
+        assert not nothing.import_button.isEnabled()
+        assert nothing.choose_button.isEnabled()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_the_smoke_run_imports_the_starter_model_and_chats_one_turn(
+    starter_gguf, app_dirs, tmp_path
+):
+    """The same self-driven run `make package-test` gives the bundle, from the checkout."""
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    env = {**os.environ, "REPRISE_SMOKE": str(shots), "REPRISE_STARTER_GGUF": str(starter_gguf)}
+    env["QT_QPA_PLATFORM"] = "offscreen"
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["smoke"] == "ok" and result["generated_tokens"] > 0 and result["reply"]
+    assert sorted(p.name for p in shots.iterdir()) == [
+        "1-first-run.png",
+        "2-importing.png",
+        "3-ready.png",
+        "4-reply.png",
+    ]
+    assert (app_dirs["models"] / "SmolLM2-135M-Instruct" / "config.json").is_file()
