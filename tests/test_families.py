@@ -31,12 +31,6 @@ from sessions.db import open_db
 REPRISE = str(Path(sys.executable).with_name("reprise"))
 MESSAGES = ["Tell me about the weather in spring", "And in autumn?", "Which one is better?"]
 NOT_TRIMMABLE = ("sliding", "hybrid-qwen3-next", "hybrid-granite", "chunked", "cachelist")
-QUANTIZED_CHUNKS = ("llama", "moe", "mla")
-WINDOW_NOT_SAVED = (
-    "chunk files hold every token quantized but not the 16-bit recent window "
-    "(codecs.MixedCodec / MixedKVCache.from_quantized), so the reopened cache differs; "
-    "KV quantization is another helper's part of issue 9"
-)
 NOT_QUANTIZED = (
     "kvquant.quantizer converts only top-level KVCache/RotatingKVCache layers: "
     "ChunkedKVCache and the KVCache inside a CacheList stay 16-bit "
@@ -45,7 +39,6 @@ NOT_QUANTIZED = (
 
 # (cell, family) -> why it fails today.
 XFAIL: dict[tuple[str, str], str] = {
-    **{(cell, f): WINDOW_NOT_SAVED for cell in ("kv-8", "kv-4") for f in QUANTIZED_CHUNKS},
     **{(cell, f): NOT_QUANTIZED for cell in ("kv-8", "kv-4") for f in ("chunked", "cachelist")},
 }
 
