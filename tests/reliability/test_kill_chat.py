@@ -124,12 +124,12 @@ def fresh_dirs(tmp_path, monkeypatch):
     return make
 
 
-STREAMED = "select length(content) from messages where state = 'streaming'"
+REPLIES = "select state, length(content) from messages where role = 'assistant'"
 
 
-def wait_until_streamed(child: subprocess.Popen, chars: int, deadline_s: float = 300) -> float:
-    """Seconds until the child's reply has at least `chars` characters in the database
-    (it commits them at least every second); the child ending first fails the test."""
+def wait_until_streamed(child: subprocess.Popen, chars: int, deadline_s: float = 300) -> bool:
+    """Whether the child's reply came to hold `chars` characters in the database while
+    streaming (it commits them at least every second), or ended first."""
     started = time.monotonic()
     db_path = paths.data_dir() / DB_NAME
     while time.monotonic() - started < deadline_s and child.poll() is None:
@@ -137,10 +137,14 @@ def wait_until_streamed(child: subprocess.Popen, chars: int, deadline_s: float =
             contextlib.suppress(sqlite3.OperationalError),  # not made yet
             contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as db,
         ):
-            if any(length >= chars for (length,) in db.execute(STREAMED)):
-                return time.monotonic() - started
+            for state, length in db.execute(REPLIES):
+                if state != "streaming":
+                    return False
+                if length >= chars:
+                    return True
         time.sleep(0.02)
-    raise AssertionError(f"the reply never streamed {chars} characters")
+    assert child.poll() is not None, f"the reply never streamed {chars} characters"
+    return False
 
 
 def test_a_reply_killed_at_random_points(tiny_model_dir, fresh_dirs):
@@ -152,7 +156,9 @@ def test_a_reply_killed_at_random_points(tiny_model_dir, fresh_dirs):
     whole = subprocess.Popen(
         [REPRISE, *chat_args(tiny_model_dir, "new")], stdout=subprocess.PIPE, text=True
     )
-    start_s = wait_until_streamed(whole, 1)
+    started = time.monotonic()
+    assert wait_until_streamed(whole, 1)
+    start_s = time.monotonic() - started
     reference = json.loads(whole.communicate(timeout=300)[0])["reply"]
     assert whole.returncode == 0 and len(reference) > 200  # a reply long enough to cut
 
