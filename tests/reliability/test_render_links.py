@@ -151,7 +151,13 @@ def test_an_open_fence_while_streaming_swallows_nothing_after_it(qtbot, view, ac
     view.add_text("```\nAnd that is all.")
     qtbot.waitUntil(lambda: "And that is all." in shown_text(view))
     assert "```" not in shown_text(view)
-    view.set_last_state("complete", 2)
+    finished = view.messages[-1].content  # stored, then shown as the window does
+    view.show_messages(
+        [
+            RenderedMessage(1, "user", "write code"),
+            RenderedMessage(2, "assistant", finished, is_last=True),
+        ]
+    )
     assert [link.text for link in links(view)][-1] == "Copy"
 
 
