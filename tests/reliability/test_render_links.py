@@ -155,7 +155,7 @@ def test_an_open_fence_while_streaming_swallows_nothing_after_it(qtbot, view, ac
     view.show_messages(
         [
             RenderedMessage(1, "user", "write code"),
-            RenderedMessage(2, "assistant", finished, is_last=True),
+            RenderedMessage(2, "assistant", finished),
         ]
     )
     assert [link.text for link in links(view)][-1] == "Copy"
