@@ -353,9 +353,11 @@ def make_title(text: str) -> str:
 
 
 class ReplyWriter:
-    """Commits a streaming reply at most every `interval` seconds, and at the end.
+    """Commits a streaming reply's first text at once, then at most every `interval`
+    seconds, and at the end.
 
-    A process killed mid-reply loses at most the last interval of text.
+    A process killed mid-reply loses at most the last interval of text; the first words
+    are on disk even when the whole reply streams faster than one interval.
     """
 
     def __init__(self, store: ConversationStore, message_id: int, interval: float = 1.0) -> None:
@@ -363,11 +365,11 @@ class ReplyWriter:
         self.message_id = message_id
         self.interval = interval
         self.text = ""
-        self._saved_at = time.monotonic()
+        self._saved_at: float | None = None
 
     def append(self, delta: str) -> None:
         self.text += delta
-        if time.monotonic() - self._saved_at >= self.interval:
+        if self._saved_at is None or time.monotonic() - self._saved_at >= self.interval:
             self.store.update_message(self.message_id, content=self.text)
             self._saved_at = time.monotonic()
 

@@ -139,3 +139,14 @@ def test_reply_writer_commits_at_intervals_and_at_the_end(store, app_dirs):
     writer.finish("complete", {"generated_tokens": 2}, "Hello")
     m = store.message(reply.id)
     assert (m.content, m.state, m.stats) == ("Hello", "complete", {"generated_tokens": 2})
+
+
+def test_a_reply_faster_than_one_interval_has_its_first_words_on_disk(store, app_dirs):
+    c = store.create("m")
+    reply = store.add_message(c.id, "assistant", "", state="streaming")
+    writer = ReplyWriter(store, reply.id, interval=3600)
+    writer.append("Hel")
+    writer.append("lo")  # within the interval: not committed yet
+    other = sqlite3.connect(app_dirs["data"] / "reprise.db")
+    row = other.execute("select content, state from messages where id = ?", [reply.id])
+    assert row.fetchone() == ("Hel", "streaming")

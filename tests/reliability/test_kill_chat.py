@@ -127,38 +127,45 @@ def fresh_dirs(tmp_path, monkeypatch):
 REPLIES = "select state, length(content) from messages where role = 'assistant'"
 
 
-def wait_until_streamed(child: subprocess.Popen, chars: int, deadline_s: float = 300) -> bool:
-    """Whether the child's reply came to hold `chars` characters in the database while
-    streaming (it commits them at least every second), or ended first."""
-    started = time.monotonic()
+def reply_states() -> list[tuple[str, int]]:
+    """The replies' states and lengths, read as another process would (the database may
+    not be made yet)."""
     db_path = paths.data_dir() / DB_NAME
+    with (
+        contextlib.suppress(sqlite3.OperationalError),
+        contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as db,
+    ):
+        return list(db.execute(REPLIES))
+    return []
+
+
+def wait_for_reply(child: subprocess.Popen, until: str, deadline_s: float = 300) -> bool:
+    """Wait until the child's reply has its first words in the database (`until="words"`)
+    or has stopped streaming (`until="end"`); whether that came before the child exited."""
+    started = time.monotonic()
     while time.monotonic() - started < deadline_s and child.poll() is None:
-        with (
-            contextlib.suppress(sqlite3.OperationalError),  # not made yet
-            contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as db,
-        ):
-            for state, length in db.execute(REPLIES):
-                if state != "streaming":
-                    return False
-                if length >= chars:
-                    return True
-        time.sleep(0.02)
-    assert child.poll() is not None, f"the reply never streamed {chars} characters"
+        for state, length in reply_states():
+            if length > 0 if until == "words" else state != "streaming":
+                return True
+        time.sleep(0.01)
+    assert child.poll() is not None, f"the reply never reached {until!r}"
     return False
 
 
 def test_a_reply_killed_at_random_points(tiny_model_dir, fresh_dirs):
-    """One run unkilled gives the reply and how long the start takes; then a third of the
-    kills land at a random moment of the start (imports, model, database, prompt), the
-    rest once the reply has streamed a random share of its text, a random moment later."""
+    """One run unkilled gives the reply, how long the start takes and how long the reply
+    streams; then a third of the kills land at a random moment of the start (imports,
+    model, database, prompt), the rest a random moment into the streaming."""
     rng = random.Random(SEED)
     fresh_dirs()
     whole = subprocess.Popen(
         [REPRISE, *chat_args(tiny_model_dir, "new")], stdout=subprocess.PIPE, text=True
     )
     started = time.monotonic()
-    assert wait_until_streamed(whole, 1)
+    assert wait_for_reply(whole, until="words")
     start_s = time.monotonic() - started
+    assert wait_for_reply(whole, until="end")
+    stream_s = time.monotonic() - started - start_s
     reference = json.loads(whole.communicate(timeout=300)[0])["reply"]
     assert whole.returncode == 0 and len(reference) > 200  # a reply long enough to cut
 
@@ -174,10 +181,9 @@ def test_a_reply_killed_at_random_points(tiny_model_dir, fresh_dirs):
             delay_s = rng.uniform(0, start_s)
             at = f"{delay_s:.2f} s after the start"
         else:
-            chars = rng.randrange(1, len(reference) * 9 // 10)
-            wait_until_streamed(child, chars)
-            delay_s = rng.uniform(0, 0.2)
-            at = f"{delay_s:.2f} s after {chars} characters streamed"
+            wait_for_reply(child, until="words")
+            delay_s = rng.uniform(0, stream_s * 0.9)
+            at = f"{delay_s:.2f} s into a reply that streams for {stream_s:.2f} s"
         time.sleep(delay_s)
         child.send_signal(signal.SIGKILL)
         child.wait()
