@@ -171,3 +171,26 @@ def test_the_smoke_run_imports_the_starter_model_and_chats_one_turn(
         "4-reply.png",
     ]
     assert (app_dirs["models"] / "SmolLM2-135M-Instruct" / "config.json").is_file()
+
+
+def test_the_frozen_entry_point_runs_the_gguf_import_child(tmp_path):
+    """A frozen app has no `python -m`; the import child is the app's executable started
+    with one hidden argument, which the entry point must hand to the child, not the GUI."""
+    import tiny
+    from app.engine import gguf_child
+
+    gguf = tiny.write_gguf(tmp_path / "tiny.gguf")
+    entry = PACKAGING / "reprise_entry.py"
+    request = {"gguf": str(gguf), "models": str(tmp_path / "models"), "name": "tiny"}
+    done = subprocess.run(
+        [sys.executable, str(entry), gguf_child.FROZEN_CHILD_FLAG],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    messages = [json.loads(line) for line in done.stdout.splitlines()]
+    assert done.returncode == 0 and "imported" in messages[-1], done.stderr[-2000:]
+    assert (Path(messages[-1]["imported"]["path"]) / "config.json").is_file()

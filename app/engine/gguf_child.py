@@ -49,7 +49,7 @@ def import_in_child(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     with tempfile.TemporaryFile() as errors:
         child = subprocess.Popen(
-            [sys.executable, "-m", "app.engine.gguf_child"],
+            child_command(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=errors,
@@ -110,7 +110,8 @@ def _remove_staging(models_dir: Path, name: str) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _child_main() -> int:
+def run_child() -> int:
+    """The child's side: read the request on stdin, import, report on stdout."""
     import faulthandler
     import traceback
 
@@ -151,5 +152,17 @@ def _child_main() -> int:
     return 0
 
 
+# A frozen app (PyInstaller) has no `python -m`: its executable is the app, whose entry
+# point (packaging/reprise_entry.py) runs the child when given this one argument.
+FROZEN_CHILD_FLAG = "--gguf-import-child"
+
+
+def child_command() -> list[str]:
+    """How to start the import child: the interpreter with this module, or the frozen app."""
+    if getattr(sys, "frozen", False):
+        return [sys.executable, FROZEN_CHILD_FLAG]
+    return [sys.executable, "-m", "app.engine.gguf_child"]
+
+
 if __name__ == "__main__":
-    sys.exit(_child_main())
+    sys.exit(run_child())
