@@ -41,6 +41,7 @@ from sessions.chunkio import (
     read_file,
     write_file,
 )
+from sessions.db import is_row_id
 from sessions.errors import CacheRejected, DiskFull
 
 __all__ = [
@@ -194,6 +195,8 @@ class CacheIndex:
 
     def checked_conversation(self, conversation_id: int) -> ConversationCache | None:
         """The conversation's saved cache, None if there is none, or `CacheRejected`."""
+        if not is_row_id(conversation_id):
+            return None
         try:
             rows = list(
                 self.db["conversation_caches"].rows_where("conversation_id = ?", [conversation_id])

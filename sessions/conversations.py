@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 
 import sqlite_utils
 
+from sessions.db import is_row_id
 from sessions.errors import UserError, guarded
 
 TITLE_LENGTH = 60
@@ -137,6 +138,8 @@ class ConversationStore:
 
     @guarded
     def get(self, conversation_id: int) -> Conversation:
+        if not is_row_id(conversation_id):
+            raise NotFound(f"No conversation {conversation_id}")
         rows = list(self.db["conversations"].rows_where("id = ?", [conversation_id]))
         if not rows:
             raise NotFound(f"No conversation {conversation_id}")
@@ -218,6 +221,8 @@ class ConversationStore:
 
     @guarded
     def message(self, message_id: int) -> Message:
+        if not is_row_id(message_id):
+            raise NotFound(f"No message {message_id}")
         rows = list(self.db["messages"].rows_where("id = ?", [message_id]))
         if not rows:
             raise NotFound(f"No message {message_id}")

@@ -142,3 +142,9 @@ def _prepare(db: sqlite_utils.Database, path: Path) -> sqlite_utils.Database:
         )
     migrations.apply(db)
     return db
+
+
+def is_row_id(number: int) -> bool:
+    """Whether `number` can be a row id; past SQLite's 64-bit integers a query would
+    overflow (OverflowError) instead of finding nothing."""
+    return 1 <= number < 2**63

@@ -25,7 +25,7 @@ from app.engine.generation import TextDelta, TurnFinished
 from app.service.chat import ChatService
 from app.service.preferences import Preferences
 from sessions.conversations import NotFound
-from sessions.db import open_db
+from sessions.db import is_row_id, open_db
 from sessions.errors import UserError
 
 Turn = Callable[[str, Callable[[], bool]], Iterator]
@@ -85,7 +85,7 @@ def conversation_id_from(value: str) -> int:
         number = int(value)
     except ValueError:
         raise NotFound(f"--conversation takes 'new' or a number, not {value!r}") from None
-    if not 1 <= number < 2**63:  # SQLite's ids; a larger number would overflow the query
+    if not is_row_id(number):
         raise NotFound(f"No conversation {number}")
     return number
 

@@ -137,6 +137,25 @@ def test_a_conversation_that_is_not_there_is_named(value, message, capsys):
     assert capsys.readouterr().err == f"reprise: {message}\n"
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["conversations", "show"],
+        ["conversations", "delete"],
+        ["conversations", "export"],
+        ["cache", "export", "--", "{id}", "out.safetensors"],
+    ],
+)
+@pytest.mark.parametrize("number", [0, -1, 7, 2**63, 2**64])
+def test_every_command_names_a_conversation_that_is_not_there(command, number, capsys):
+    """An id past SQLite's integers raised OverflowError as a traceback before."""
+    args = [part.replace("{id}", str(number)) for part in command]
+    if "{id}" not in command:
+        args += ["--", str(number)]
+    assert main(args) == 1
+    assert capsys.readouterr().err == f"reprise: No conversation {number}\n"
+
+
 @pytest.mark.parametrize("stdin_decoding", ["surrogateescape", "strict"])
 def test_piped_input_stops_at_its_first_line_that_is_not_utf8(tiny_model_dir, stdin_decoding):
     """The lines before it are answered and stored; the bad line and every line after it
