@@ -75,7 +75,12 @@ def test_the_help_menu_lists_the_shortcuts_and_the_version(qtbot, open_window): 
     help_items = [a.text() for a in window.menuBar().actions()[-1].menu().actions()]
     assert help_items == ["Keyboard shortcuts", "About Reprise"]
     listed = shortcut_list(window)
-    for line in ("Esc\tStop the reply", "Ctrl+R\tRegenerate", "Ctrl+Shift+C\tCopy the last"):
+    for line in (
+        "Esc\tStop the reply",
+        "Ctrl+R\tRegenerate",
+        "Ctrl+Shift+C\tCopy the last",
+        "in the chat\tMove through a message's actions",
+    ):
         assert line in listed
     assert f"Reprise {__version__}" in about_text()
     assert window.windowTitle() == f"Reprise {__version__}"
@@ -114,3 +119,18 @@ def test_alt_letters_open_the_menus_from_the_message_box(qtbot, open_window):  #
         qtbot.keyClick(QGuiApplication.focusObject() or window, Qt.Key.Key_Escape)
         box.setFocus()
     assert box.toPlainText() == ""
+
+
+def test_keyboard_only_regenerates_through_the_reply_s_link(qtbot, open_window):  # noqa: F811
+    window = active(qtbot, open_window())
+    send(qtbot, window, "Tell me about penguins.", greedy_tokens=8)
+    window.composer.edit.setFocus()
+    for _ in range(40):  # Tab from the message box into the chat and through its links
+        qtbot.keyClick(QGuiApplication.focusObject(), Qt.Key.Key_Tab)
+        if window.chat.hasFocus() and "Regenerate" in window.chat.textCursor().selectedText():
+            break
+    assert "Regenerate" in window.chat.textCursor().selectedText()
+    with qtbot.waitSignal(window.engine.worker.finished, timeout=READY_MS):
+        qtbot.keyClick(window.chat, Qt.Key.Key_Return)
+    wait_reply(qtbot, window)
+    assert window.chat.messages[-1].branch == (2, 2)
