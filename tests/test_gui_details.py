@@ -48,3 +48,13 @@ def test_export_names_are_safe_file_names():
     assert export_name("../../etc/passwd") == "etc passwd"
     assert export_name("?\n\t") == "chat"
     assert len(export_name("word " * 100)) <= 80
+
+
+def test_the_two_cache_sizes_say_which_is_which(qtbot, open_window):  # noqa: F811
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=6)
+    assert "in memory " in window.status.stats.text()
+    assert "KV" not in window.status.stats.text()
+    item = lambda: window.sidebar.list.item(0).text()  # noqa: E731
+    qtbot.waitUntil(lambda: "saved " in item() and " MB" in item(), timeout=60_000)
+    assert "cache" not in item()

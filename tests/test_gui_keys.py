@@ -75,7 +75,62 @@ def test_the_help_menu_lists_the_shortcuts_and_the_version(qtbot, open_window): 
     help_items = [a.text() for a in window.menuBar().actions()[-1].menu().actions()]
     assert help_items == ["Keyboard shortcuts", "About Reprise"]
     listed = shortcut_list(window)
-    for line in ("Esc\tStop the reply", "Ctrl+R\tRegenerate", "Ctrl+Shift+C\tCopy the last"):
+    for line in (
+        "Esc\tStop the reply",
+        "Ctrl+R\tRegenerate",
+        "Ctrl+Shift+C\tCopy the last",
+        "in the chat\tMove through a message's actions",
+    ):
         assert line in listed
     assert f"Reprise {__version__}" in about_text()
     assert window.windowTitle() == f"Reprise {__version__}"
+
+
+def test_escape_stops_a_reply_wherever_focus_is(qtbot, open_window):  # noqa: F811
+    window = active(qtbot, open_window())
+    prefer(window, max_tokens=2000)
+    for place in (window.chat, window.sidebar.list, window.sidebar.search):
+        window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
+        qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+        qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
+        place.setFocus()
+        qtbot.waitUntil(place.hasFocus, timeout=5_000)
+        qtbot.keyClick(place, Qt.Key.Key_Escape)
+        wait_reply(qtbot, window)
+        assert window.store.get(window.conversation_id).messages[-1].state == "cancelled"
+    qtbot.keyClick(window.chat, Qt.Key.Key_Escape)  # nothing streams: nothing happens
+    assert not window.generating
+    assert window.store.get(window.conversation_id).messages[-1].state == "cancelled"
+
+
+def test_alt_letters_open_the_menus_from_the_message_box(qtbot, open_window):  # noqa: F811
+    window = active(qtbot, open_window())
+    box = window.composer.edit
+    box.setFocus()
+    for letter, title in (
+        (Qt.Key.Key_F, "&File"),
+        (Qt.Key.Key_C, "&Chat"),
+        (Qt.Key.Key_H, "&Help"),
+    ):
+        qtbot.keyClick(box, letter, Qt.KeyboardModifier.AltModifier)
+        qtbot.waitUntil(lambda: window.menuBar().activeAction() is not None, timeout=5_000)
+        assert window.menuBar().activeAction().text() == title
+        qtbot.keyClick(QGuiApplication.focusObject() or window, Qt.Key.Key_Escape)
+        qtbot.keyClick(QGuiApplication.focusObject() or window, Qt.Key.Key_Escape)
+        box.setFocus()
+    assert box.toPlainText() == ""
+
+
+def test_keyboard_only_regenerates_through_the_reply_s_link(qtbot, open_window):  # noqa: F811
+    window = active(qtbot, open_window())
+    send(qtbot, window, "Tell me about penguins.", greedy_tokens=8)
+    window.composer.edit.setFocus()
+    for _ in range(40):  # Tab from the message box into the chat and through its links
+        qtbot.keyClick(QGuiApplication.focusObject(), Qt.Key.Key_Tab)
+        if window.chat.hasFocus() and "Regenerate" in window.chat.textCursor().selectedText():
+            break
+    assert "Regenerate" in window.chat.textCursor().selectedText()
+    with qtbot.waitSignal(window.engine.worker.finished, timeout=READY_MS):
+        qtbot.keyClick(window.chat, Qt.Key.Key_Return)
+    wait_reply(qtbot, window)
+    assert window.chat.messages[-1].branch == (2, 2)

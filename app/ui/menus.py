@@ -78,6 +78,7 @@ def shortcut_list(window: MainWindow) -> str:
     """The keyboard shortcuts, as the Help menu shows them."""
     rows = ["Tab / Shift+Tab\tMove between the message box, the chat and the sidebar"]
     rows.append("Enter / Shift+Enter\tSend / start a new line")
+    rows.append("Tab, then Enter, in the chat\tMove through a message's actions, run one")
     for entries in menu_entries(window).values():
         for label, keys, _ in entries:
             text = _keys(keys).toString(QKeySequence.SequenceFormat.NativeText)

@@ -57,8 +57,9 @@ def snippet(text: str, query: str) -> str:
 
 def describe_cache(info: dict | None) -> str:
     if not info or not info.get("bytes"):
-        return "no saved cache"
-    return f"cache {info['bytes'] / 1e6:.1f} MB, {info['tokens']:,} tokens"
+        return "nothing saved yet"
+    # "saved": the size on disk; the status bar says "in memory" for the other size.
+    return f"saved {info['bytes'] / 1e6:.1f} MB, {info['tokens']:,} tokens"
 
 
 class Sidebar(QWidget):

@@ -42,7 +42,7 @@ def stats_text(reply: ReplyFinished) -> str:
     kind = kv_label_of(stats.kv_format)  # the Preferences' words; the details in a tooltip
     return (
         f"{stats.decode_tps:.1f} tok/s · context {context:,} tokens · "
-        f"KV {stats.kv_bytes / 1e6:.1f} MB · {kind}"
+        f"in memory {stats.kv_bytes / 1e6:.1f} MB · {kind}"
     )
 
 
