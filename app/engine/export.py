@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache, save_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, save_prompt_cache
 
 from app.engine.errors import UserError
 from app.engine.kvquant import MixedKVCache
@@ -61,12 +61,18 @@ def export_cache(kvstore: KVStore, conversation_id: int, out: Path, model_name: 
         save_prompt_cache(str(path), layers, metadata)
     except (OSError, RuntimeError) as exc:  # mlx reports a failed write as RuntimeError
         raise ExportFailed(f"could not write {path}: {exc}") from exc
-    converted = sum(isinstance(layer, MixedKVCache) for layer in result.cache)
+    converted = sum(
+        isinstance(part, MixedKVCache)
+        for layer in result.cache
+        for part in getattr(layer, "caches", (layer,))
+    )
     return Exported(path, len(result.tokens), converted)
 
 
 def as_mlx_lm(layer):
     """`layer` as one of mlx-lm's own cache classes."""
+    if type(layer) is CacheList:  # a new list: the restored cache stays as it was
+        return CacheList(*(as_mlx_lm(part) for part in layer.caches))
     if not isinstance(layer, MixedKVCache):
         return layer
     keys, values = layer.dequantized()

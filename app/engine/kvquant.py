@@ -37,7 +37,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, RotatingKVCache, create_attention_mask
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, create_attention_mask
 
 from app.engine import kvattention
 from app.engine.kvattention import PackedLayout, PackedRead
@@ -398,9 +398,15 @@ def quantizer(scheme: KVScheme | None, start: int = 0) -> Callable[[list], None]
     if scheme is None:
         return lambda cache: None
 
+    def converted(layer):
+        if type(layer) is CacheList:  # its attention part; the recurrent state stays exact
+            layer.caches = tuple(converted(part) for part in layer.caches)
+        elif type(layer) in (KVCache, RotatingKVCache) and layer.offset >= start:
+            return to_mixed(layer, scheme)
+        return layer
+
     def quantize(cache: list) -> None:
         for i, layer in enumerate(cache):
-            if type(layer) in (KVCache, RotatingKVCache) and layer.offset >= start:
-                cache[i] = to_mixed(layer, scheme)
+            cache[i] = converted(layer)
 
     return quantize
