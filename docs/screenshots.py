@@ -79,7 +79,7 @@ def main() -> None:
         print("wrote", out / name)
 
     def wait_ready():
-        if not window.model_state.text().startswith("Ready"):
+        if not window.models.ready:
             QTimer.singleShot(200, wait_ready)
             return
         window.sidebar.list.setCurrentRow(0)

@@ -45,7 +45,7 @@ def open_window(qtbot, library):
         window = MainWindow()
         qtbot.addWidget(window)
         window.show()
-        qtbot.waitUntil(lambda: window.model_state.text().startswith("Ready"), timeout=READY_MS)
+        qtbot.waitUntil(lambda: window.models.ready, timeout=READY_MS)
         windows.append(window)
         return window
 
@@ -83,7 +83,10 @@ def wait_reply(qtbot, window):
 
 def test_send_streams_a_reply_and_stores_it(qtbot, open_window):
     window = open_window()
-    assert not window.model_loading_action.isVisible()  # the loading bar went when ready
+    assert not window.models.loading_action.isVisible()  # the loading bar went when ready
+    # Plain words on the bar; how the model runs is there for who asks (the tooltip).
+    assert window.models.state.text() == "Ready"
+    assert window.models.state.toolTip().startswith("Running on cpu")
     deltas = []
     window.engine.worker.text_delta.connect(deltas.append)
     send(qtbot, window, "What is the capital of France?")

@@ -50,13 +50,13 @@ def test_a_message_typed_while_the_model_loads_is_answered(qtbot, library):  # n
     window = MainWindow()
     qtbot.addWidget(window)
     window.show()
-    assert window.model_state.text() == "Loading model…"
+    assert window.models.state.text() == "Loading model…"
     prefer(window, temperature=0.0, max_tokens=8)
     window.composer.edit.setPlainText("Hello there")
     window.composer.edit.submitted.emit()
     assert window.status.message.text() == "Waiting for the model to load…"
     wait_reply(qtbot, window)
-    assert window.model_state.text().startswith("Ready")
+    assert window.models.ready
     assert [m.role for m in window.chat.messages] == ["user", "assistant"]
     assert window.chat.messages[-1].content
     window.close()

@@ -13,7 +13,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from app.engine import kvattention, kvkernels
-from app.engine.kvquant import MixedKVCache, quantizer
+from app.engine.kvconvert import quantizer
+from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import APP_SCHEMES, KVScheme, scheme_for
 
 # (head size, query heads, KV heads): grouped-query ratios 1, 2, 4 and 8.

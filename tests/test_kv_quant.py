@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from app.engine.kvquant import MixedKVCache, quantizer
+from app.engine.kvconvert import quantizer
+from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import APP_SCHEMES, SIXTEEN_BIT, KVScheme, parse_format, scheme_for
 
 TOKENS = np.random.default_rng(0).integers(3, 200, size=300).tolist()

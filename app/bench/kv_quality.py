@@ -33,7 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from app.engine import steps
 from app.engine.generation import SamplingSettings
-from app.engine.kvquant import quantizer
+from app.engine.kvconvert import quantizer
 from app.engine.kvscheme import APP_SCHEMES, KVScheme
 from app.resource_files import resource
 

@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from app.engine.errors import UserError
-from app.engine.kvquant import to_mixed
+from app.engine.kvconvert import to_mixed
 from app.engine.kvscheme import APP_SCHEMES, KVScheme
 
 SHAPES = {

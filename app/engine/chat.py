@@ -28,7 +28,8 @@ from app.engine.generation import (
     TurnFinished,
     TurnStats,
 )
-from app.engine.kvquant import MixedKVCache, quantizer
+from app.engine.kvconvert import quantizer
+from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import scheme_for
 from app.engine.loading import LoadedModel
 from app.engine.steps import decode, make_next_token, prefill, reusable_prefix
@@ -67,9 +68,14 @@ class ChatSession:
     # -- prompt ---------------------------------------------------------------
 
     def render(
-        self, messages: Sequence[Message], system: str | None = None, known: Sequence[int] = ()
+        self,
+        messages: Sequence[Message],
+        system: str | None = None,
+        known: Sequence[int] = (),
+        reply_so_far: str = "",
     ) -> list[int]:
-        """The token ids of the conversation, ending with the assistant's turn opening.
+        """The token ids of the conversation, ending with the assistant's turn opening
+        and `reply_so_far` (a reply being continued: no end of turn after it).
 
         `known` are tokens the model has already seen (its cache). When they spell the
         start of the conversation's text they are kept as they are and only the rest is
@@ -81,6 +87,7 @@ class ChatSession:
             full = [{"role": "system", "content": system}, *full]
         tokenizer = self.loaded.tokenizer
         text = tokenizer.apply_chat_template(full, add_generation_prompt=True, tokenize=False)
+        text += reply_so_far
         if known:
             known_text = tokenizer.decode(list(known), skip_special_tokens=False)
             if text.startswith(known_text):

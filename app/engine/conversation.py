@@ -180,70 +180,20 @@ class ConversationEngine:
         if reply.role != "assistant":
             raise NotAReply("Only a reply can be continued")
         conversation_id = reply.conversation_id
-        conversation = self.store.get(conversation_id)
-        chat = [{"role": m.role, "content": m.content} for m in self.store.branch(reply.parent_id)]
-        system = options.system if options.system is not None else conversation.system_prompt
-        held = self._holds(conversation_id)
-        entry = None if held else self.index.conversation(conversation_id)
-        known = self.session.tokens if held else entry.tokens if entry else []
-        prompt = self._continuation_prompt(chat, system, reply.content, known)
-        self.session.check_fits(len(prompt), options.max_context)
+        chat, system = self._chat(conversation_id, reply.parent_id, options)
+
+        def render(known: list[int]) -> list[int]:
+            return self.session.render(chat, system, known, reply_so_far=reply.content)
+
+        prompt, entry = self._fitting_prompt(conversation_id, render, options)
         self.store.update_settings(conversation_id, current_message_id=message_id)
-        restore = self._prepare_cache(conversation_id, entry, prompt, options.kv)
-        if restore.source == "recompute" and entry is not None:
-            prompt = self._continuation_prompt(chat, system, reply.content, [])
+        prompt, restore = self._cache_for(conversation_id, entry, prompt, render, options)
         yield restore
         self.store.update_message(message_id, state="streaming")
         writer = ReplyWriter(self.store, message_id)
         writer.text = reply.content
-        lead = ""  # a fresh detokenizer drops the first token's leading space; put it back
-        try:
-            for event in self.session.generate(
-                prompt,
-                sampling=options.sampling,
-                kv=options.kv,
-                should_stop=should_stop,
-                max_context=options.max_context,
-            ):
-                if isinstance(event, TextDelta) and writer.text == reply.content:
-                    lead = self._dropped_space(prompt, event.text)
-                    event = TextDelta(lead + event.text)
-                if isinstance(event, TurnFinished):
-                    text = reply.content + lead + event.text
-                    event = ReplyFinished(text, event.stats, restore, conversation_id, message_id)
-                    state = "cancelled" if event.stats.finish_reason == "cancelled" else "complete"
-                    writer.finish(state, event.to_dict(), text)
-                elif isinstance(event, TextDelta):
-                    writer.append(event.text)
-                yield event
-        except BaseException:
-            writer.finish("failed")
-            self._in_memory = None
-            self.session.reset()
-            raise
+        yield from self._stream(writer, conversation_id, prompt, restore, options, should_stop)
         yield self.save(conversation_id)
-
-    def _dropped_space(self, prompt: list[int], first_text: str) -> str:
-        """ " " when the first new token begins with a space its streamed text lost."""
-        generated = self.session.tokens[len(prompt) : len(prompt) + 1]
-        spelled = self.loaded.tokenizer.decode(generated) if generated else ""
-        return " " if spelled.startswith(" ") and not first_text.startswith(" ") else ""
-
-    def _continuation_prompt(
-        self, chat: list[dict], system: str | None, reply_so_far: str, known: list[int]
-    ) -> list[int]:
-        """The conversation up to the reply's opening, then the reply's text with no end
-        of turn; `known` tokens (a cache) are kept where they spell its start."""
-        full = [{"role": "system", "content": system}, *chat] if system else chat
-        tokenizer = self.loaded.tokenizer
-        text = tokenizer.apply_chat_template(full, add_generation_prompt=True, tokenize=False)
-        text += reply_so_far
-        if known:
-            known_text = tokenizer.decode(list(known), skip_special_tokens=False)
-            if text.startswith(known_text):
-                rest = tokenizer.encode(text[len(known_text) :], add_special_tokens=False)
-                return [*known, *rest]
-        return list(tokenizer.encode(text, add_special_tokens=False))
 
     # -- one turn --------------------------------------------------------------
 
@@ -258,44 +208,81 @@ class ConversationEngine:
         """Reply after `parent_id`, with a new user message first when `user_text` is
         given. The prompt is checked against the context before anything is stored,
         so a message too long for the model leaves the conversation as it was."""
-        conversation = self.store.get(conversation_id)
-        chat = [{"role": m.role, "content": m.content} for m in self.store.branch(parent_id)]
+        chat, system = self._chat(conversation_id, parent_id, options)
         if user_text is not None:
             chat.append({"role": "user", "content": user_text})
-        system = options.system if options.system is not None else conversation.system_prompt
-        held = self._holds(conversation_id)
-        entry = None if held else self.index.conversation(conversation_id)
-        known = self.session.tokens if held else entry.tokens if entry else []
-        prompt = self.session.render(chat, system, known=known)
-        self.session.check_fits(len(prompt), options.max_context)
+
+        def render(known: list[int]) -> list[int]:
+            return self.session.render(chat, system, known)
+
+        prompt, entry = self._fitting_prompt(conversation_id, render, options)
         if user_text is not None:
             parent_id = self.store.add_message(
                 conversation_id, "user", user_text, parent_id=parent_id
             ).id
         self.store.update_settings(conversation_id, current_message_id=parent_id)
+        prompt, restore = self._cache_for(conversation_id, entry, prompt, render, options)
+        yield restore
+        reply = self.store.add_message(
+            conversation_id, "assistant", "", parent_id=parent_id, state="streaming"
+        )
+        writer = ReplyWriter(self.store, reply.id)
+        yield from self._stream(writer, conversation_id, prompt, restore, options, should_stop)
+        yield self.save(conversation_id)
+
+    def _chat(
+        self, conversation_id: int, parent_id: int | None, options: TurnOptions
+    ) -> tuple[list[dict], str | None]:
+        """The branch ending at `parent_id` as chat messages, and the system prompt."""
+        conversation = self.store.get(conversation_id)
+        chat = [{"role": m.role, "content": m.content} for m in self.store.branch(parent_id)]
+        system = options.system if options.system is not None else conversation.system_prompt
+        return chat, system
+
+    def _fitting_prompt(
+        self,
+        conversation_id: int,
+        render: Callable[[list[int]], list[int]],
+        options: TurnOptions,
+    ) -> tuple[list[int], ConversationCache | None]:
+        """The prompt, keeping the tokens of the cache this turn can start from (the one
+        in memory, else the saved one), and the saved cache's entry; raises when the
+        prompt does not fit the context."""
+        held = self._holds(conversation_id)
+        entry = None if held else self.index.conversation(conversation_id)
+        known = self.session.tokens if held else entry.tokens if entry else []
+        prompt = render(known)
+        self.session.check_fits(len(prompt), options.max_context)
+        return prompt, entry
+
+    def _cache_for(
+        self,
+        conversation_id: int,
+        entry: ConversationCache | None,
+        prompt: list[int],
+        render: Callable[[list[int]], list[int]],
+        options: TurnOptions,
+    ) -> tuple[list[int], RestoreInfo]:
         restore = self._prepare_cache(conversation_id, entry, prompt, options.kv)
         if restore.source == "recompute" and entry is not None:
             # The saved tokens go with the cache they came from: without it, the
             # turn is what it would be had nothing been saved.
-            prompt = self.session.render(chat, system)
-        yield restore
-        yield from self._generate(conversation_id, parent_id, prompt, restore, options, should_stop)
-        yield self.save(conversation_id)
+            prompt = render([])
+        return prompt, restore
 
-    def _generate(
+    def _stream(
         self,
+        writer: ReplyWriter,
         conversation_id: int,
-        parent_id: int,
         prompt: list[int],
         restore: RestoreInfo,
         options: TurnOptions,
         should_stop: Callable[[], bool],
     ) -> Iterator[Event | ReplyFinished]:
-        """Stream the reply into a new assistant message."""
-        reply = self.store.add_message(
-            conversation_id, "assistant", "", parent_id=parent_id, state="streaming"
-        )
-        writer = ReplyWriter(self.store, reply.id)
+        """Stream the reply into `writer`'s message, after the text it already has."""
+        before = writer.text
+        lead = ""  # a fresh detokenizer drops a continuation's leading space; put it back
+        first = True
         try:
             for event in self.session.generate(
                 prompt,
@@ -304,21 +291,32 @@ class ConversationEngine:
                 should_stop=should_stop,
                 max_context=options.max_context,
             ):
-                if isinstance(event, TurnFinished):
+                if isinstance(event, TextDelta):
+                    if first and before:
+                        lead = self._dropped_space(prompt, event.text)
+                        event = TextDelta(lead + event.text)
+                    first = False
+                    writer.append(event.text)
+                elif isinstance(event, TurnFinished):
+                    text = before + lead + event.text
                     event = ReplyFinished(
-                        event.text, event.stats, restore, conversation_id, reply.id
+                        text, event.stats, restore, conversation_id, writer.message_id
                     )
                     state = "cancelled" if event.stats.finish_reason == "cancelled" else "complete"
-                    writer.finish(state, event.to_dict(), event.text)
+                    writer.finish(state, event.to_dict(), text)
                     self._learn_prefill_rate(event.stats)
-                elif isinstance(event, TextDelta):
-                    writer.append(event.text)
                 yield event
         except BaseException:
             writer.finish("failed")
             self._in_memory = None
             self.session.reset()
             raise
+
+    def _dropped_space(self, prompt: list[int], first_text: str) -> str:
+        """ " " when the first new token begins with a space its streamed text lost."""
+        generated = self.session.tokens[len(prompt) : len(prompt) + 1]
+        spelled = self.loaded.tokenizer.decode(generated) if generated else ""
+        return " " if spelled.startswith(" ") and not first_text.startswith(" ") else ""
 
     def save(self, conversation_id: int) -> CacheSaved:
         """Write the cache's new chunks; a failure here costs speed later, never text."""

@@ -32,12 +32,11 @@ the first `keep`. Tokens are always held in temporal order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, create_attention_mask
+from mlx_lm.models.cache import create_attention_mask
 
 from app.engine import kvattention
 from app.engine.kvattention import PackedLayout, PackedRead
@@ -373,40 +372,3 @@ class MixedKVCache:
                 layer.exact[part].append_encoded([tails[part]])
         layer.offset = layer.count
         return layer
-
-
-def to_mixed(layer: KVCache | RotatingKVCache, scheme: KVScheme) -> MixedKVCache:
-    """A full-precision layer's tokens re-stored per `scheme` (lossless up to the scheme)."""
-    if isinstance(layer, RotatingKVCache):
-        mixed = MixedKVCache(scheme, layer.max_size, layer.keep)
-        in_order = layer.keys is not None and layer.offset > layer.keys.shape[2]
-    else:
-        mixed, in_order = MixedKVCache(scheme), False
-    if layer.keys is not None:
-        if in_order:  # a full ring: put its tokens back in temporal order
-            keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
-        else:
-            keys, values = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
-        if keys.shape[2]:
-            mixed.extend(keys, values)
-    mixed.offset = layer.offset
-    return mixed
-
-
-def quantizer(scheme: KVScheme | None, start: int = 0) -> Callable[[list], None]:
-    """Converts a cache's full-precision layers in place once `start` tokens are in it."""
-    if scheme is None:
-        return lambda cache: None
-
-    def converted(layer):
-        if type(layer) is CacheList:  # its attention part; the recurrent state stays exact
-            layer.caches = tuple(converted(part) for part in layer.caches)
-        elif type(layer) in (KVCache, RotatingKVCache) and layer.offset >= start:
-            return to_mixed(layer, scheme)
-        return layer
-
-    def quantize(cache: list) -> None:
-        for i, layer in enumerate(cache):
-            cache[i] = converted(layer)
-
-    return quantize

@@ -10,15 +10,11 @@ from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (
-    QComboBox,
     QFileDialog,
     QInputDialog,
-    QLabel,
     QMainWindow,
     QMessageBox,
-    QProgressBar,
     QSplitter,
-    QToolBar,
     QVBoxLayout,
     QWidget,
 )
@@ -30,6 +26,7 @@ from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
 from app.ui.context_meter import ContextMeter
 from app.ui.menus import build_menus
+from app.ui.model_bar import ModelBar
 from app.ui.preferences import PreferencesDialog
 from app.ui.quitting import wait_for_worker
 from app.ui.reading import export_name, rendered_messages, sidebar_entries
@@ -83,13 +80,7 @@ class MainWindow(QMainWindow):
         self.meter = ContextMeter()
         # Count the draft once typing pauses, not at every key.
         self._count_soon = QTimer(self, singleShot=True, interval=COUNT_AFTER_MS)
-        self.model_picker = QComboBox()
-        self.model_picker.setMinimumWidth(240)
-        self.model_state = QLabel("Loading model…")
-        # Loading reports no steps: a busy bar beside the picker until the model is ready.
-        self.model_loading = QProgressBar()
-        self.model_loading.setRange(0, 0)
-        self.model_loading.setMaximumWidth(120)
+        self.models = ModelBar()
         self._build_layout()
         self.status = TurnStatus(self.statusBar())
         build_menus(self)
@@ -100,7 +91,7 @@ class MainWindow(QMainWindow):
         self.refresh_sidebar()
         self.show_conversation(None)
         self.composer.edit.setFocus()  # open ready to type
-        self.load_model_requested.emit(self.model_picker.currentText())
+        self.load_model_requested.emit(self.models.current())
 
     def preferences(self) -> Preferences:
         """The preferences as the user last set them: the ones asked for and not yet
@@ -131,15 +122,7 @@ class MainWindow(QMainWindow):
         splitter.setStretchFactor(1, 1)
         splitter.setSizes([260, 840])
         self.setCentralWidget(splitter)
-        toolbar = QToolBar("Model")
-        toolbar.setMovable(False)
-        toolbar.addWidget(QLabel(" Model: "))
-        toolbar.addWidget(self.model_picker)
-        toolbar.addWidget(QLabel("  "))
-        toolbar.addWidget(self.model_state)
-        # A toolbar shows or hides its widgets through their actions.
-        self.model_loading_action = toolbar.addWidget(self.model_loading)
-        self.addToolBar(toolbar)
+        self.addToolBar(self.models)
 
     def _wire(self) -> None:
         """Every connection to and from the worker, in one place. Each handler of a
@@ -188,33 +171,23 @@ class MainWindow(QMainWindow):
         self.sidebar.rename_requested.connect(self.rename)
         self.sidebar.delete_requested.connect(self.delete)
         self.sidebar.export_requested.connect(self.export)
-        self.model_picker.activated.connect(self.on_model_picked)
+        self.models.picked.connect(self.on_model_picked)
 
     # -- models ----------------------------------------------------------------
 
     def refresh_models(self) -> None:
         names = [m.name for m in list_models(paths.models_dir())]
-        chosen = self.preferences().model
-        self.model_picker.clear()
-        self.model_picker.addItems(names)
-        if chosen in names:
-            self.model_picker.setCurrentText(chosen)
-        elif STARTER_MODEL in names:
-            self.model_picker.setCurrentText(STARTER_MODEL)
+        self.models.show_models(names, self.preferences().model, STARTER_MODEL)
 
-    @Slot()
-    def on_model_picked(self) -> None:
-        name = self.model_picker.currentText()
+    @Slot(str)
+    def on_model_picked(self, name: str) -> None:
         self.ask_to_save(replace(self.preferences(), model=name))
-        self.model_state.setText("Loading model…")
-        self.model_loading_action.setVisible(True)
+        self.models.show_loading()
         self.load_model_requested.emit(name)
 
     @Slot(str, str)
     def on_model_loaded(self, name: str, compute: str) -> None:
-        self.model_state.setText(f"Ready ({compute})")
-        self.model_loading_action.setVisible(False)
-        self.model_picker.setCurrentText(name)
+        self.models.show_loaded(name, compute)
         self.ask_context()
 
     # -- conversations -----------------------------------------------------------
@@ -254,7 +227,7 @@ class MainWindow(QMainWindow):
     @Slot()
     def ask_context(self) -> None:
         """Ask the worker to count the chat and the draft (it has the tokenizer)."""
-        if self.generating or not self.model_state.text().startswith("Ready"):
+        if self.generating or not self.models.ready:
             return
         draft = self.composer.edit.toPlainText()
         self.context_requested.emit(self.conversation_id or NEW_CONVERSATION, draft)
@@ -316,7 +289,7 @@ class MainWindow(QMainWindow):
     def _start_turn(self) -> None:
         self.chat.append_streaming(RenderedMessage(-2, "assistant", "", state="streaming"))
         self.status.begin()
-        if not self.model_state.text().startswith("Ready"):
+        if not self.models.ready:
             # The worker answers once the model it is loading is in (requests are queued).
             self.status.say("Waiting for the model to load…")
 
@@ -382,9 +355,7 @@ class MainWindow(QMainWindow):
     @Slot(str)
     def on_failed(self, message: str) -> None:
         self.status.on_failed(message)
-        if not self.model_state.text().startswith("Ready"):
-            self.model_state.setText("No model loaded")
-            self.model_loading_action.setVisible(False)
+        self.models.show_failed()
         if self.conversation_id is not None and self._exists(self.conversation_id):
             self.chat.show_messages(self._rendered(self.conversation_id))
         QMessageBox.warning(self, "Reprise", message)

@@ -1,0 +1,68 @@
+"""The model toolbar: which model, and whether it is ready."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Signal, Slot
+from PySide6.QtWidgets import QComboBox, QLabel, QProgressBar, QToolBar
+
+LOADING = "Loading model…"
+NO_MODEL = "No model loaded"
+
+
+class ModelBar(QToolBar):
+    picked = Signal(str)  # the user chose another model
+
+    def __init__(self) -> None:
+        super().__init__("Model")
+        self.setMovable(False)
+        self.picker = QComboBox()
+        self.picker.setMinimumWidth(240)
+        self.state = QLabel(LOADING)
+        # Loading reports no steps: a busy bar beside the picker until the model is ready.
+        self.loading = QProgressBar()
+        self.loading.setRange(0, 0)
+        self.loading.setMaximumWidth(120)
+        self.addWidget(QLabel(" Model: "))
+        self.addWidget(self.picker)
+        self.addWidget(QLabel("  "))
+        self.addWidget(self.state)
+        # A toolbar shows or hides its widgets through their actions.
+        self.loading_action = self.addWidget(self.loading)
+        self.ready = False
+        self.picker.activated.connect(self._on_activated)
+
+    def show_models(self, names: list[str], *preferred: str) -> None:
+        """List `names`, choosing the first of `preferred` that is among them."""
+        self.picker.clear()
+        self.picker.addItems(names)
+        for name in preferred:
+            if name in names:
+                self.picker.setCurrentText(name)
+                break
+
+    def current(self) -> str:
+        return self.picker.currentText()
+
+    def show_loading(self) -> None:
+        self.ready = False
+        self.state.setText(LOADING)
+        self.state.setToolTip("")
+        self.loading_action.setVisible(True)
+
+    def show_loaded(self, name: str, compute: str) -> None:
+        """Ready; how the model runs (device, weights, BLAS) is a tooltip, not jargon on the bar."""
+        self.ready = True
+        self.state.setText("Ready")
+        self.state.setToolTip(f"Running on {compute}")
+        self.loading_action.setVisible(False)
+        self.picker.setCurrentText(name)
+
+    def show_failed(self) -> None:
+        """The load failed: say so, unless a model loaded before is still there."""
+        if not self.ready:
+            self.state.setText(NO_MODEL)
+            self.loading_action.setVisible(False)
+
+    @Slot(int)
+    def _on_activated(self, _index: int) -> None:
+        self.picked.emit(self.current())
