@@ -119,6 +119,7 @@ def open_db(
     conn = None
     try:
         conn = sqlite3.connect(str(path), timeout=busy_timeout_s)
+        conn.text_factory = _text
         db = _prepare(sqlite_utils.Database(conn), path)
         if read_only:
             db.execute("PRAGMA query_only=ON")
@@ -127,6 +128,13 @@ def open_db(
         if conn is not None:
             conn.close()
         raise storage_error(exc, path) from exc
+
+
+def _text(raw: bytes) -> str:
+    """A TEXT value as str. Another program can store bytes that are not UTF-8; the
+    default factory then fails every query that reads the row (the whole sidebar, for
+    one damaged title), so such bytes read as U+FFFD instead."""
+    return raw.decode("utf-8", errors="replace")
 
 
 def _prepare(db: sqlite_utils.Database, path: Path) -> sqlite_utils.Database:

@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from PySide6.QtCore import QTimer
+from PySide6.QtCore import QByteArray, QMimeData, QTimer
 from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
@@ -334,3 +334,20 @@ def test_the_terminal_replies_as_the_window_does(qtbot, open_window):
     done = reprise("chat", "--conversation", "new", "--json", "Name three rivers.")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["reply"] == in_window
+
+
+def test_pasted_bytes_that_are_not_utf8_are_sent_and_stored_as_replacement_marks(
+    qtbot, open_window
+):
+    """A paste from a program that put Latin-1 on the clipboard as text/plain: the bad
+    bytes arrive as U+FFFD, the message is sent and stored, the reply comes."""
+    window = open_window()
+    pasted = QMimeData()
+    pasted.setData("text/plain", QByteArray(b"caf\xe9 \xff\xfe, what is 2+2?"))
+    window.composer.edit.insertFromMimeData(pasted)
+    prefer(window, temperature=0.0, max_tokens=8)
+    window.composer.edit.submitted.emit()
+    wait_reply(qtbot, window)
+    stored = window.store.get(window.conversation_id).messages
+    assert stored[0].content == "caf\ufffd \ufffd\ufffd, what is 2+2?"
+    assert stored[1].role == "assistant" and stored[1].state == "complete"

@@ -208,3 +208,40 @@ def test_the_cli_prints_the_message_not_a_traceback(app_dirs):
     assert done.stderr.startswith(f"reprise: The database at {path} is damaged")
     assert "Traceback" not in done.stderr
     assert paths.data_dir() == app_dirs["data"]
+
+
+def test_text_that_is_not_utf8_in_one_row_costs_only_those_bytes(tmp_path):
+    """Another program wrote bytes that are not UTF-8 into a title and a message: every
+    conversation still lists and opens, in the library and in a real `reprise`, and the
+    bad bytes read as U+FFFD."""
+    path = tmp_path / DB_NAME
+    store = ConversationStore(open_db(path))
+    damaged = store.create("m", title="damaged")
+    store.add_message(damaged.id, "user", "hello")
+    intact = store.create("m", title="intact")
+    store.add_message(intact.id, "user", "still here")
+    raw = sqlite3.connect(path)
+    raw.execute(
+        "UPDATE conversations SET title = CAST(x'c0af41' AS TEXT) WHERE id = ?", [damaged.id]
+    )
+    raw.execute(
+        "UPDATE messages SET content = CAST(x'68ff6c6c6f' AS TEXT) WHERE conversation_id = ?",
+        [damaged.id],
+    )
+    raw.commit()
+    raw.close()
+
+    store = ConversationStore(open_db(path, read_only=True))
+    assert sorted(c.title for c in store.list()) == ["intact", "\ufffd\ufffdA"]
+    assert [m.content for m in store.get(damaged.id).messages] == ["h\ufffdllo"]
+    assert [m.content for m in store.get(intact.id).messages] == ["still here"]
+    env = {**os.environ, "REPRISE_DATA_DIR": str(tmp_path)}
+    shown = subprocess.run(
+        [REPRISE, "conversations", "show", str(damaged.id)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "h\ufffdllo" in shown.stdout
