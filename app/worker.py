@@ -46,11 +46,13 @@ class EngineWorker(QObject):
     import_progress = Signal(str, int, int)  # stage, done, total
     download_progress = Signal(int, int, str)  # bytes done, bytes in all, file
     model_added = Signal(str)  # the new model's name; "" when an import or download failed
+    prefetched = Signal(int, object)  # conversation, RestoreInfo: its cache is in memory
 
     def __init__(self) -> None:
         super().__init__()
         self._stop = threading.Event()
         self._service: ChatService | None = None
+        self._selected = NEW_CONVERSATION  # the conversation on screen (set from the GUI)
 
     def service(self) -> ChatService:
         """Made on first use, so its connection belongs to this thread. The engine (mlx,
@@ -66,6 +68,11 @@ class EngineWorker(QObject):
     # Called directly from the GUI thread: it only sets a flag.
     def stop(self) -> None:
         self._stop.set()
+
+    # Called directly from the GUI thread, before `prefetch` is queued: a prefetch of a
+    # conversation no longer on screen is skipped, so only the latest selection restores.
+    def select(self, conversation_id: int) -> None:
+        self._selected = conversation_id
 
     def _attempt(self, what: str, task: Callable[[], object]) -> bool:
         """Run `task`; a user error is reported as it is, a bug with its log entry."""
@@ -170,6 +177,19 @@ class EngineWorker(QObject):
             lambda: self.context_counted.emit(self.service().context_use(cid, draft)),
         )
 
+    @Slot(int)
+    def prefetch(self, conversation_id: int) -> None:
+        """Restore the selected conversation's cache while the user reads and types."""
+        if conversation_id != self._selected:
+            return
+        if self._service is None or self._service.engine is None:
+            return  # no model (yet, or its load failed): the turn will say why
+
+        def restore() -> None:
+            self.prefetched.emit(conversation_id, self.service().prefetch(conversation_id))
+
+        self._attempt("Restoring the saved cache", restore)
+
     def _run(self, start: Callable[[], Iterator]) -> None:
         self._stop.clear()
         self.busy_changed.emit(True)
@@ -179,8 +199,8 @@ class EngineWorker(QObject):
             self.busy_changed.emit(False)
 
     def _forward(self, events: Iterator) -> None:
-        from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
         from app.engine.generation import PromptProgress, TextDelta
+        from app.engine.turns import CacheSaved, ReplyFinished, RestoreInfo
 
         for event in events:
             if isinstance(event, TextDelta):

@@ -77,6 +77,30 @@ def test_reopening_restores_from_disk_and_matches_a_fresh_computation(
     assert finished.text == fresh_reply(tiny_model, engine, saved_conversation, known=saved_tokens)
 
 
+def test_a_prefetched_cache_answers_from_memory_with_the_reply_of_a_fresh_computation(
+    tiny_model, saved_conversation
+):
+    """Selecting a conversation restores its cache before the user sends: the turn then
+    starts from memory, and replies as a computation with no cache does."""
+    engine = new_engine(tiny_model)
+    saved_tokens = engine.index.conversation(saved_conversation).tokens
+    early = engine.prefetch(saved_conversation, OPTIONS.kv)
+    assert early.source == "disk" and early.tokens == len(saved_tokens) and early.seconds > 0
+    assert engine.session.tokens == saved_tokens
+    finished, _ = turn(engine, saved_conversation, "one more question")
+    assert finished.restore.source == "memory"
+    assert finished.restore.tokens == finished.stats.reused_tokens == len(saved_tokens)
+    assert finished.text == fresh_reply(tiny_model, engine, saved_conversation, known=saved_tokens)
+
+
+def test_prefetch_of_a_chat_with_nothing_saved_says_so_and_the_turn_still_answers(tiny_model):
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    assert engine.prefetch(conversation.id, OPTIONS.kv).rejected == "no saved cache"
+    finished, _ = turn(engine, conversation.id, "hello")
+    assert finished.restore.source == "recompute" and finished.text
+
+
 def test_restore_fills_preallocated_buffers_of_the_exact_length(tiny_model, saved_conversation):
     engine = new_engine(tiny_model)
     entry = engine.index.conversation(saved_conversation)

@@ -138,10 +138,26 @@ def test_reopening_after_a_restart_resumes_from_disk(qtbot, open_window):
     window.close()
 
     reopened = open_window()
+    finished = []
+    reopened.engine.worker.finished.connect(finished.append)
     reopened.sidebar.list.setCurrentRow(0)
     assert reopened.conversation_id == conversation
+    # Selecting it restores the cache at once, before anything is sent.
+    qtbot.waitUntil(lambda: reopened.status.message.text().startswith("Ready: "), timeout=READY_MS)
+    assert " tokens restored in " in reopened.status.message.text()
     send(qtbot, reopened, "And the sun?")
-    assert reopened.status.message.text().startswith("Resumed from saved cache:")
+    assert finished[-1].restore.source == "memory"
+    assert reopened.status.message.text().startswith("Continuing: ")
+
+
+def test_a_newer_selection_skips_the_restore_of_the_one_before(qtbot, open_window):
+    window = open_window()
+    prefetched = []
+    window.engine.worker.prefetched.connect(lambda cid, info: prefetched.append(cid))
+    window.engine.worker.select(2)
+    window.engine.worker.prefetch(1)  # queued before the user moved on to chat 2
+    qtbot.wait(200)
+    assert prefetched == []
 
 
 def test_search_filters_the_conversation_list(qtbot, open_window):

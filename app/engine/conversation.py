@@ -11,16 +11,13 @@ reply is complete saves the cache's new chunks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import sqlite_utils
 
 from app.engine.cache_keys import SNAPSHOT
 from app.engine.chat import ChatSession, Event
-from app.engine.errors import UserError
 from app.engine.generation import (
     KVSettings,
-    SamplingSettings,
     TextDelta,
     TurnFinished,
     TurnStats,
@@ -30,6 +27,14 @@ from app.engine.kvstore import KVStore, SaveReport
 from app.engine.loading import LoadedModel
 from app.engine.snapshots import can_trim
 from app.engine.steps import reusable_prefix
+from app.engine.turns import (
+    CacheSaved,
+    NotAReply,
+    ReplyFinished,
+    RestoreInfo,
+    TurnEvent,
+    TurnOptions,
+)
 from sessions.cachefiles import CacheIndex, ConversationCache, DiskFull
 from sessions.conversations import ConversationStore, ReplyWriter
 from sessions.measurements import Measurements
@@ -38,77 +43,6 @@ READ_BANDWIDTH = "read_bytes_per_s"
 # Below this many tokens the planner does not bother: restoring is always cheap.
 _MEASURE_MIN_TOKENS = 64
 _NOTHING = ("recompute", 0.0, 0, 0)  # source, seconds, bytes and tokens of no restore
-
-
-@dataclass(frozen=True)
-class TurnOptions:
-    system: str | None = None
-    sampling: SamplingSettings = field(default_factory=SamplingSettings)
-    kv: KVSettings = field(default_factory=KVSettings)
-    max_context: int | None = None  # None: the model's own
-
-
-@dataclass(frozen=True)
-class CacheSaved:
-    report: SaveReport
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class RestoreInfo:
-    source: str = "recompute"  # "memory", "disk", "recompute"
-    seconds: float = 0.0
-    bytes_read: int = 0
-    tokens: int = 0
-    estimate_restore_s: float | None = None
-    estimate_recompute_s: float | None = None
-    rejected: str | None = None
-    checkpoint: int | None = None  # the snapshot restored, counting from 1 (snapshots only)
-
-    def to_stats(self) -> dict:
-        return {
-            "restore_source": self.source,
-            "restore_s": round(self.seconds, 4),
-            "restore_bytes": self.bytes_read,
-            "restored_tokens": self.tokens,
-            "estimate_restore_s": self.estimate_restore_s,
-            "estimate_recompute_s": self.estimate_recompute_s,
-            "cache_rejected": self.rejected,
-            "restore_checkpoint": self.checkpoint,
-        }
-
-
-@dataclass(frozen=True)
-class ReplyFinished:
-    """A stored turn's reply, complete or stopped: the engine's stats for it, where its
-    cache came from, and the message it was stored as."""
-
-    text: str
-    stats: TurnStats
-    restore: RestoreInfo
-    conversation_id: int
-    message_id: int
-
-    @property
-    def ttft_s(self) -> float:
-        """What the user waited for the first token: the restore too."""
-        return self.restore.seconds + self.stats.ttft_s
-
-    def to_dict(self) -> dict:
-        return {
-            **self.stats.to_dict(),
-            **self.restore.to_stats(),
-            "ttft_s": round(self.ttft_s, 4),
-            "conversation_id": self.conversation_id,
-            "message_id": self.message_id,
-        }
-
-
-TurnEvent = Event | RestoreInfo | ReplyFinished | CacheSaved
-
-
-class NotAReply(UserError):
-    pass
 
 
 class ConversationEngine:
@@ -358,6 +292,32 @@ class ConversationEngine:
             entry = self.index.conversation(conversation_id)
         self.session.reset()
         self._in_memory = conversation_id
+        refused = self._refusal(entry, kv)
+        if refused is not None:
+            return refused
+        usable = reusable_prefix(entry.tokens, prompt)
+        estimates = self._estimates(usable, self.kvstore.bytes_to_read(entry, usable))
+        if None not in estimates and estimates[1] < estimates[0]:
+            return RestoreInfo(*_NOTHING, *estimates, "recomputing is estimated to be faster")
+        return self._restore(entry, usable, estimates)
+
+    def prefetch(self, conversation_id: int, kv: KVSettings) -> RestoreInfo:
+        """Restore a conversation's whole saved cache now, while the user reads and
+        types, so that its next turn starts from memory as if it had never closed.
+        No planner: the time is the user's, not the reply's. (The next turn trims what
+        its prompt does not share, or goes back to disk for a cache that cannot be cut.)"""
+        if self._holds(conversation_id):
+            return RestoreInfo(source="memory", tokens=len(self.session.tokens))
+        entry = self.index.conversation(conversation_id)
+        self.session.reset()
+        self._in_memory = conversation_id
+        refused = self._refusal(entry, kv)
+        if refused is not None:
+            return refused
+        return self._restore(entry, len(entry.tokens), (None, None))
+
+    def _refusal(self, entry: ConversationCache | None, kv: KVSettings) -> RestoreInfo | None:
+        """Why this saved cache cannot serve a turn with `kv`, if it cannot."""
         if entry is None:
             return RestoreInfo(rejected="no saved cache")
         if entry.kv_format != SNAPSHOT and not usable_format(
@@ -367,10 +327,15 @@ class ConversationEngine:
                 rejected=f"saved as {entry.kv_format}, which the current KV "
                 f"setting ({kv.describe()}) cannot use"
             )
-        usable = reusable_prefix(entry.tokens, prompt)
-        estimates = self._estimates(usable, self.kvstore.bytes_to_read(entry, usable))
-        if None not in estimates and estimates[1] < estimates[0]:
-            return RestoreInfo(*_NOTHING, *estimates, "recomputing is estimated to be faster")
+        return None
+
+    def _restore(
+        self,
+        entry: ConversationCache,
+        usable: int,
+        estimates: tuple[float | None, float | None],
+    ) -> RestoreInfo:
+        """Read `usable` tokens of `entry` from disk into `session`."""
         result = self.kvstore.restore(entry, usable)
         if result.cache is None:
             return RestoreInfo("recompute", result.seconds, 0, 0, *estimates, result.rejected)

@@ -16,7 +16,8 @@ from pathlib import Path
 import sqlite_utils
 
 from app.engine import loading, models
-from app.engine.conversation import ConversationEngine, TurnEvent, TurnOptions
+from app.engine.conversation import ConversationEngine
+from app.engine.turns import RestoreInfo, TurnEvent, TurnOptions
 from app.service.preferences import Preferences
 from sessions import paths
 from sessions.cachefiles import CacheIndex
@@ -144,6 +145,12 @@ class ChatService:
         options = (prefs or self.preferences()).turn_options()
         with conversation_lock(conversation_id):
             yield from self._engine().continue_reply(message_id, options, should_stop)
+
+    def prefetch(self, conversation_id: int, prefs: Preferences | None = None) -> RestoreInfo:
+        """Restore the conversation's saved cache into memory before its next turn is
+        asked for (the window does this when a conversation is selected)."""
+        kv = (prefs or self.preferences()).turn_options().kv
+        return self._engine().prefetch(conversation_id, kv)
 
     def context_use(self, conversation_id: int | None, draft: str) -> ContextUse:
         """Count the chat (None: a new one) and the draft with the model's tokenizer."""

@@ -18,7 +18,7 @@ from sessions.errors import UserError
 from sessions.settings import Settings
 
 if TYPE_CHECKING:
-    from app.engine.conversation import TurnOptions
+    from app.engine.turns import TurnOptions
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class Preferences:
 
     def turn_options(self) -> TurnOptions:
         # Imported here: the window reads preferences before the engine (mlx) is loaded.
-        from app.engine.conversation import TurnOptions
+        from app.engine.turns import TurnOptions
 
         return TurnOptions(
             system=self.system_prompt or None,

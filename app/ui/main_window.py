@@ -5,13 +5,10 @@ worker (which owns the `ChatService`, the one writer) for every change."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (
-    QFileDialog,
-    QInputDialog,
     QMainWindow,
     QMessageBox,
     QSplitter,
@@ -22,6 +19,7 @@ from PySide6.QtWidgets import (
 from app import __version__
 from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
+from app.ui import asking
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
 from app.ui.context_meter import ContextMeter
@@ -29,7 +27,7 @@ from app.ui.menus import build_menus
 from app.ui.model_bar import ModelBar
 from app.ui.preferences import PreferencesDialog
 from app.ui.quitting import wait_for_worker
-from app.ui.reading import export_name, rendered_messages, sidebar_entries
+from app.ui.reading import rendered_messages, sidebar_entries
 from app.ui.render import RenderedMessage
 from app.ui.sidebar import Sidebar
 from app.ui.turn_status import TurnStatus
@@ -41,7 +39,7 @@ from sessions.db import open_db
 from sessions.settings import Settings
 
 if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the first paint
-    from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+    from app.engine.turns import CacheSaved, ReplyFinished, RestoreInfo
     from app.service.chat import ContextUse
 
 
@@ -62,6 +60,7 @@ class MainWindow(QMainWindow):
     clear_caches_requested = Signal()
     export_requested = Signal(int, str, str)  # conversation, format, path
     save_preferences_requested = Signal(object)  # Preferences
+    prefetch_requested = Signal(int)  # a conversation just selected
 
     def __init__(self) -> None:
         super().__init__()
@@ -142,6 +141,7 @@ class MainWindow(QMainWindow):
             (self.clear_caches_requested, worker.clear_caches),
             (self.export_requested, worker.export_text),
             (self.save_preferences_requested, worker.save_preferences),
+            (self.prefetch_requested, worker.prefetch),
         ):
             request.connect(slot)
         worker.model_loaded.connect(self.on_model_loaded)
@@ -158,6 +158,7 @@ class MainWindow(QMainWindow):
         worker.failed.connect(self.on_failed)
         worker.busy_changed.connect(self.on_busy)
         worker.context_counted.connect(self.on_context_counted)
+        worker.prefetched.connect(self.on_prefetched)
         self.composer.edit.textChanged.connect(self._count_soon.start)
         self._count_soon.timeout.connect(self.ask_context)
         self.meter.new_chat_requested.connect(self.send_in_new_chat)
@@ -189,6 +190,7 @@ class MainWindow(QMainWindow):
     def on_model_loaded(self, name: str, compute: str) -> None:
         self.models.show_loaded(name, compute)
         self.ask_context()
+        self._prefetch(self.conversation_id)
 
     # -- conversations -----------------------------------------------------------
 
@@ -216,6 +218,19 @@ class MainWindow(QMainWindow):
         self.sidebar.select(conversation_id)
         self.meter.clear()
         self.ask_context()
+        self._prefetch(conversation_id)
+
+    def _prefetch(self, conversation_id: int | None) -> None:
+        """Start restoring the chat's saved cache now, not when the user presses Send."""
+        selected = conversation_id or NEW_CONVERSATION
+        self.engine.worker.select(selected)
+        if selected != NEW_CONVERSATION and self.models.ready:
+            self.prefetch_requested.emit(selected)
+
+    @Slot(int, object)
+    def on_prefetched(self, conversation_id: int, info: RestoreInfo) -> None:
+        if conversation_id == self.conversation_id and not self.generating:
+            self.status.on_prefetched(info)
 
     def _rendered(self, conversation_id: int | None) -> list[RenderedMessage]:
         return rendered_messages(self.store, conversation_id)
@@ -274,11 +289,8 @@ class MainWindow(QMainWindow):
         self.continue_requested.emit(message_id)
 
     def edit(self, message_id: int) -> None:
-        message = self.store.message(message_id)
-        text, ok = QInputDialog.getMultiLineText(
-            self, "Edit message", "Your message:", message.content
-        )
-        if not ok or not text.strip() or text == message.content:
+        text = asking.edited_text(self, self.store.message(message_id).content)
+        if text is None:
             return
         ids = [m.id for m in self.chat.messages]
         self.chat.messages = self.chat.messages[: ids.index(message_id)]
@@ -364,25 +376,20 @@ class MainWindow(QMainWindow):
 
     @Slot(int)
     def rename(self, conversation_id: int) -> None:
-        current = self.store.get(conversation_id).title
-        title, ok = QInputDialog.getText(self, "Rename", "Title:", text=current)
-        if ok and title.strip():
+        title = asking.new_title(self, self.store.get(conversation_id).title)
+        if title is not None:
             self.rename_requested.emit(conversation_id, title)
 
     @Slot(int)
     def delete(self, conversation_id: int) -> None:
-        title = self.store.get(conversation_id).title or "this chat"
-        answer = QMessageBox.question(self, "Delete", f"Delete “{title}” and its cache?")
-        if answer == QMessageBox.StandardButton.Yes:
+        if asking.confirm_delete(self, self.store.get(conversation_id).title):
             self.delete_requested.emit(conversation_id)
 
     @Slot(int, str)
     def export(self, conversation_id: int, fmt: str) -> None:
-        suffix = ".md" if fmt == "markdown" else ".json"
-        title = export_name(self.store.get(conversation_id).title)
-        name, _ = QFileDialog.getSaveFileName(self, "Export", str(Path.home() / f"{title}{suffix}"))
-        if name:
-            self.export_requested.emit(conversation_id, fmt, name)
+        path = asking.export_path(self, self.store.get(conversation_id).title, fmt)
+        if path is not None:
+            self.export_requested.emit(conversation_id, fmt, path)
 
     # -- dialogs -----------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar
 from app.ui.preferences import kv_label_of
 
 if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the first paint
-    from app.engine.conversation import CacheSaved, ReplyFinished, RestoreInfo
+    from app.engine.turns import CacheSaved, ReplyFinished, RestoreInfo
 
 
 # Show a progress bar only for prefill or restore that takes longer than this.
@@ -27,10 +27,13 @@ def live_text(pieces: int, seconds: float) -> str:
     return f"≈{pieces:,} tokens{rate}"
 
 
+def took(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 0.1 else f"{seconds:.2f} s"
+
+
 def restore_text(source: str, tokens: int, seconds: float) -> str:
     if source == "disk":
-        took = f"{seconds * 1000:.0f} ms" if seconds < 0.1 else f"{seconds:.2f} s"
-        return f"Resumed from saved cache: {tokens:,} tokens in {took}"
+        return f"Resumed from saved cache: {tokens:,} tokens in {took(seconds)}"
     if source == "memory":
         return f"Continuing: {tokens:,} tokens already in memory"
     return "Reading the conversation from the start"
@@ -128,6 +131,11 @@ class TurnStatus(QObject):
     def on_restored(self, info: RestoreInfo, first_turn: bool) -> None:
         text = restore_text(info.source, info.tokens, info.seconds)
         self.message.setText("" if first_turn else text)
+
+    def on_prefetched(self, info: RestoreInfo) -> None:
+        """The selected chat's cache is in memory: its next reply starts at once."""
+        if info.source == "disk":
+            self.message.setText(f"Ready: {info.tokens:,} tokens restored in {took(info.seconds)}")
 
     def on_finished(self, reply: ReplyFinished) -> None:
         self.progress.hide()

@@ -1,0 +1,36 @@
+"""The small questions the window asks the user, each one dialog and its answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
+
+from app.ui.reading import export_name
+
+
+def new_title(parent: QWidget, current: str) -> str | None:
+    """A new title for a chat; None when cancelled or blank."""
+    title, ok = QInputDialog.getText(parent, "Rename", "Title:", text=current)
+    return title if ok and title.strip() else None
+
+
+def confirm_delete(parent: QWidget, title: str) -> bool:
+    answer = QMessageBox.question(
+        parent, "Delete", f"Delete “{title or 'this chat'}” and its cache?"
+    )
+    return answer == QMessageBox.StandardButton.Yes
+
+
+def export_path(parent: QWidget, title: str, fmt: str) -> str | None:
+    """Where to export a chat as `fmt`; None when cancelled."""
+    suffix = ".md" if fmt == "markdown" else ".json"
+    start = str(Path.home() / f"{export_name(title)}{suffix}")
+    name, _ = QFileDialog.getSaveFileName(parent, "Export", start)
+    return name or None
+
+
+def edited_text(parent: QWidget, text: str) -> str | None:
+    """The message as the user rewrote it; None when cancelled, blank or unchanged."""
+    edited, ok = QInputDialog.getMultiLineText(parent, "Edit message", "Your message:", text)
+    return edited if ok and edited.strip() and edited != text else None
