@@ -179,3 +179,17 @@ def test_bench_kv_speed_runs_each_scheme_on_a_random_model():
     for mode in ("16-bit", "app 8-bit (k8v8g64s4)", "app 4-bit (k4v4g64s4h)"):
         row = next(line for line in lines if line.startswith(mode))
         assert float(row.split()[-4]) > 0  # decode tokens/s
+
+
+def test_bench_reopen_measures_each_size_and_skips_one_past_the_context(tiny_model_dir):
+    """A size the model cannot hold is a note, not the loss of the sizes measured."""
+    done = reprise(
+        "bench", "reopen", "--model", str(tiny_model_dir), "--tokens", "80", "99999", "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    [row] = result["rows"]
+    assert row["history_tokens"] >= 80 and row["cache_bytes"] > 0
+    assert row["ttft_prefetched_s"] > 0 and row["ttft_in_memory_s"] > 0
+    assert result["skipped"] == ["99999 tokens: beyond the model's context (2048)"]
+    assert "skipped: 99999 tokens" in done.stderr

@@ -6,7 +6,9 @@ tokens, saves its cache, then measures side by side:
 - time to first token when a new engine (as after a restart) restores the
   cache from disk, against recomputing the whole history with no cache;
 - the restore's time against a plain read of the same files' bytes;
-- bytes the reopened turn wrote against the KV bytes of the tokens it added.
+- bytes the reopened turn wrote against the KV bytes of the tokens it added;
+- time to first token after a prefetch (the restore a selection starts while the
+  user types) against an engine that never closed, same prompt, same cached prefix.
 
 Everything happens in a temporary folder; the user's data is not touched.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -79,6 +82,7 @@ def measure(loaded: loading.LoadedModel, target: int) -> dict:
 
     new_tokens = restored.stats.prompt_tokens + 1 - info.tokens
     kv_bytes_per_token = cache_bytes / len(entry.tokens)
+    prefetched = measure_prefetch(loaded, reopened, conversation.id)
     return {
         "history_tokens": len(entry.tokens),
         "cache_bytes": cache_bytes,
@@ -91,31 +95,68 @@ def measure(loaded: loading.LoadedModel, target: int) -> dict:
         "turn_new_tokens": new_tokens,
         "turn_bytes_written": saved.report.bytes_written,
         "written_vs_new_kv_bytes": saved.report.bytes_written / (new_tokens * kv_bytes_per_token),
+        **prefetched,
+    }
+
+
+def measure_prefetch(loaded, never_closed: ConversationEngine, conversation_id: int) -> dict:
+    """A new engine prefetches the saved cache, then answers a new message; the engine
+    that never closed answers the same message (an edit: the same parent, the same
+    prompt) from the cache it holds."""
+    prefetcher = ConversationEngine(open_db(), loaded)
+    early = prefetcher.prefetch(conversation_id, ONE_TOKEN.kv)
+    assert early.source == "disk", early
+    after, _ = run_turn(prefetcher, conversation_id, "And in two words?")
+    assert after.restore.source == "memory", after.restore
+    user = prefetcher.store.message(after.message_id).parent_id
+    events = list(never_closed.edit(user, "And in two words?", ONE_TOKEN))
+    held = events[-2]
+    assert held.restore.source == "memory", held.restore
+    return {
+        "prefetch_s": early.seconds,
+        "ttft_prefetched_s": after.ttft_s,
+        "ttft_in_memory_s": held.ttft_s,
     }
 
 
 def main(args: argparse.Namespace) -> int:
     model_dir = models.resolve(args.model, paths.models_dir())
     loaded = loading.load(model_dir)
-    rows = []
+    rows, skipped = [], []
+    if not args.json:
+        print(f"model: {model_dir.name}   engine path: {loaded.compute.describe()}")
+        print(HEADER, flush=True)
     with tempfile.TemporaryDirectory(prefix="reprise-bench-") as scratch:
         os.environ["REPRISE_DATA_DIR"] = str(Path(scratch) / "data")
         os.environ["REPRISE_CACHE_DIR"] = str(Path(scratch) / "cache")
         for target in args.tokens:
+            if target + ROOM_FOR_A_TURN > loaded.context_length:
+                note = f"{target} tokens: beyond the model's context ({loaded.context_length})"
+                skipped.append(note)
+                print(f"skipped: {note}", file=sys.stderr, flush=True)
+                continue
             rows.append(measure(loaded, target))
-    result = {"model": model_dir.name, "compute": loaded.compute.describe(), "rows": rows}
+            if not args.json:
+                print(row_text(rows[-1]), flush=True)  # each size as soon as it is measured
     if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print(f"model: {result['model']}   engine path: {result['compute']}")
-    print(
-        f"{'history':>8} {'cache MB':>9} {'TTFT restore':>13} {'TTFT recompute':>15} "
-        f"{'speedup':>8} {'restore/raw read':>17} {'written/new KV':>15}"
-    )
-    for r in rows:
-        print(
-            f"{r['history_tokens']:8} {r['cache_bytes'] / 1e6:9.1f} {r['ttft_restore_s']:12.3f}s "
-            f"{r['ttft_recompute_s']:14.3f}s {r['reopen_speedup']:7.1f}x "
-            f"{r['restore_vs_raw_read']:16.2f}x {r['written_vs_new_kv_bytes']:14.2f}x"
-        )
+        result = {"model": model_dir.name, "compute": loaded.compute.describe(), "rows": rows}
+        print(json.dumps({**result, "skipped": skipped}, indent=2))
     return 0
+
+
+# A history is built up to the target, then two more short turns are asked.
+ROOM_FOR_A_TURN = 256
+HEADER = (
+    f"{'history':>8} {'cache MB':>9} {'TTFT restore':>13} {'TTFT recompute':>15} "
+    f"{'speedup':>8} {'restore/raw read':>17} {'written/new KV':>15} "
+    f"{'TTFT prefetched':>16} {'TTFT in memory':>15}"
+)
+
+
+def row_text(r: dict) -> str:
+    return (
+        f"{r['history_tokens']:8} {r['cache_bytes'] / 1e6:9.1f} {r['ttft_restore_s']:12.3f}s "
+        f"{r['ttft_recompute_s']:14.3f}s {r['reopen_speedup']:7.1f}x "
+        f"{r['restore_vs_raw_read']:16.2f}x {r['written_vs_new_kv_bytes']:14.2f}x "
+        f"{r['ttft_prefetched_s']:15.3f}s {r['ttft_in_memory_s']:14.3f}s"
+    )
