@@ -150,3 +150,24 @@ def test_a_reply_faster_than_one_interval_has_its_first_words_on_disk(store, app
     other = sqlite3.connect(app_dirs["data"] / "reprise.db")
     row = other.execute("select content, state from messages where id = ?", [reply.id])
     assert row.fetchone() == ("Hel", "streaming")
+
+
+@pytest.mark.parametrize(
+    ("first_message", "title"),
+    [
+        ("What is the capital of France?", "What is the capital of France?"),
+        ("# Help me\n\nwith this", "Help me"),
+        ("```python\nprint(1)\n```\nWhy does this print 1?", "Why does this print 1?"),
+        ("```\nonly code here\n```", "only code here"),
+        ("> quoted\nmore", "quoted"),
+        (
+            "**Explain** the `map` function in Python and why it returns an iterator, please",
+            "Explain the map function in Python and why it returns an…",
+        ),
+    ],
+)
+def test_a_title_is_the_first_line_of_prose_in_plain_words(tmp_path, first_message, title):
+    store = ConversationStore(open_db(tmp_path / "t.db"))
+    conversation = store.create("m")
+    store.add_message(conversation.id, "user", first_message)
+    assert store.get(conversation.id).title == title
