@@ -224,6 +224,10 @@ class EngineWorker(QObject):
     def delete(self, conversation_id: int) -> None:
         self._change(conversation_id, lambda s: s.delete(conversation_id))
 
+    @Slot(int, str)
+    def set_system_prompt(self, conversation_id: int, text: str) -> None:
+        self._change(conversation_id, lambda s: s.set_system_prompt(conversation_id, text))
+
     @Slot(int, int)
     def select_branch(self, conversation_id: int, message_id: int) -> None:
         self._change(conversation_id, lambda s: s.select_branch(conversation_id, message_id))

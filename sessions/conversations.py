@@ -84,6 +84,11 @@ class Conversation:
             updated=_text(row["updated"]),
         )
 
+    def system_for(self, default: str | None) -> str | None:
+        """The system prompt a turn uses: the chat's own when it has one, else `default`
+        (the preference)."""
+        return self.system_prompt or default or None
+
     def chat_messages(self) -> list[dict]:
         """The branch as the role/content dicts a chat template takes."""
         return [{"role": m.role, "content": m.content} for m in self.messages]

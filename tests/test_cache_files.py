@@ -101,13 +101,20 @@ def test_prefetch_of_a_chat_with_nothing_saved_says_so_and_the_turn_still_answer
     assert finished.restore.source == "recompute" and finished.text
 
 
-def test_restore_fills_preallocated_buffers_of_the_exact_length(tiny_model, saved_conversation):
+def test_a_restored_layer_has_room_for_the_next_tokens(tiny_model, saved_conversation):
+    """Chunks are written into one buffer with room after them, as a live KVCache has:
+    the first new token must not regrow (copy) the whole restored cache."""
     engine = new_engine(tiny_model)
     entry = engine.index.conversation(saved_conversation)
     result = engine.kvstore.restore(entry, len(entry.tokens))
     assert result.rejected is None and len(result.tokens) == len(entry.tokens)
     layer = result.cache[0]
-    assert layer.offset == len(entry.tokens) == layer.keys.shape[2]
+    assert layer.offset == len(entry.tokens) < layer.keys.shape[2]
+    before = layer.keys
+    new = mx.ones((1, layer.keys.shape[1], 1, layer.keys.shape[3]), layer.keys.dtype)
+    layer.update_and_fetch(new, new)
+    assert layer.keys.shape == before.shape  # written in place, not regrown
+    assert layer.offset == len(entry.tokens) + 1
 
 
 def test_a_turn_writes_only_its_new_chunks(tiny_model):

@@ -104,3 +104,18 @@ def test_a_newer_database_gets_a_clear_message(tiny_model_dir):
     done = reprise("conversations", "list")
     assert done.returncode == 1
     assert "newer version of Reprise" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_system_on_a_stored_chat_becomes_its_own_prompt(tiny_model_dir):
+    """`--system` with `--conversation ID` sets that chat's prompt, as the window's header
+    does; later turns without the flag keep it."""
+    args = ("chat", "--model", str(tiny_model_dir), "--temp", "0", "--max-tokens", "3")
+    made = reprise(*args, "--conversation", "new", "--json", "hello")
+    conversation = str(json.loads(made.stdout)["conversation_id"])
+    assert (
+        reprise(*args, "--conversation", conversation, "--system", "Be terse.", "hi").returncode
+        == 0
+    )
+    assert reprise(*args, "--conversation", conversation, "and again").returncode == 0
+    exported = reprise("conversations", "export", conversation, "--format", "json")
+    assert json.loads(exported.stdout)["system_prompt"] == "Be terse."

@@ -367,3 +367,19 @@ def test_pasted_bytes_that_are_not_utf8_are_sent_and_stored_as_replacement_marks
     stored = window.store.get(window.conversation_id).messages
     assert stored[0].content == "caf\ufffd \ufffd\ufffd, what is 2+2?"
     assert stored[1].role == "assistant" and stored[1].state == "complete"
+
+
+def test_a_chat_gets_its_own_system_prompt_from_the_header(qtbot, open_window, monkeypatch):
+    window = open_window()
+    prefer(window, system_prompt="You are helpful.")
+    qtbot.waitUntil(lambda: "(default)" in window.header.label.text(), timeout=5_000)
+    assert not window.header.edit.isEnabled()  # a chat not started yet has no own prompt
+    send(qtbot, window, "Hi", greedy_tokens=4)
+    assert window.header.edit.isEnabled()
+    monkeypatch.setattr(QInputDialog, "getMultiLineText", lambda *args: ("Answer in French.", True))
+    window.header.edit.click()
+    qtbot.waitUntil(lambda: "(this chat)" in window.header.label.text(), timeout=5_000)
+    assert "Answer in French." in window.header.label.text()
+    assert window.store.get(window.conversation_id).system_prompt == "Answer in French."
+    window.new_chat()
+    assert "(default): “You are helpful.”" in window.header.label.text()

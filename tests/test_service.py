@@ -114,3 +114,27 @@ def test_a_conversation_written_elsewhere_is_refused_not_interleaved(service):
     with conversation_lock(conversation), pytest.raises(ConversationBusy, match="another"):
         reply(service, conversation, "hello")
     assert service.store.get(conversation).messages == []
+
+
+def test_a_chat_of_its_own_system_prompt_is_read_before_the_default(service):
+    """The default from Preferences serves every chat without one; a chat's own prompt
+    replaces it for that chat only, and clearing it brings the default back."""
+    from dataclasses import replace
+
+    service.save_preferences(replace(service.preferences(), system_prompt="Default prompt."))
+    tokenizer = service.load_model().loaded.tokenizer
+    own, other = new_conversation(service), new_conversation(service)
+    service.set_system_prompt(own, "  This chat's prompt.  ")
+    assert service.store.get(own).system_prompt == "This chat's prompt."
+
+    def seen() -> str:  # what the model read in the last turn
+        return tokenizer.decode(service.engine.session.tokens, skip_special_tokens=False)
+
+    reply(service, own, "hello")
+    assert "This chat's prompt." in seen() and "Default prompt." not in seen()
+    reply(service, other, "hello")
+    assert "Default prompt." in seen()
+    service.set_system_prompt(own, "")
+    assert service.store.get(own).system_prompt is None
+    reply(service, own, "again")
+    assert "Default prompt." in seen() and "This chat's prompt." not in seen()

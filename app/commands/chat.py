@@ -158,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
         conversation = service.create_conversation(engine.loaded.name, args.system)
     else:
         conversation = service.store.get(conversation_id_from(args.conversation))
+        if args.system is not None:  # the flag sets this chat's own prompt, as the window does
+            service.set_system_prompt(conversation.id, args.system)
         engine = service.load_model(args.model or conversation.model)
     if not args.json:
         print(f"Conversation {conversation.id}", file=sys.stderr)

@@ -94,6 +94,28 @@ class PlainCodec:
         layer.offset = layer.keys.shape[2]
         return layer
 
+    def from_chunks(self, parts: dict[str, list[mx.array]], compute: mx.Dtype | None) -> KVCache:
+        """The layer with each chunk's tokens written into its place in one buffer per
+        half, with room for the tokens after them as `KVCache` grows: no join of the
+        chunks, and no copy of the whole cache when the first new token arrives (a
+        buffer of the exact length would be regrown, copied, at once)."""
+        layer = KVCache()
+        halves = []
+        for name in ("k.0", "v.0"):
+            chunks = parts[name]
+            count = sum(c.shape[2] for c in chunks)
+            dtype = compute or chunks[0].dtype
+            heads, width = chunks[0].shape[1], chunks[0].shape[3]
+            buffer = mx.zeros((1, heads, (count // layer.step + 1) * layer.step, width), dtype)
+            at = 0
+            for chunk in chunks:
+                buffer[..., at : at + chunk.shape[2], :] = chunk.astype(dtype)
+                at += chunk.shape[2]
+            halves.append(buffer)
+        layer.keys, layer.values = halves
+        layer.offset = count
+        return layer
+
 
 class MixedCodec:
     """The app's quantized `MixedKVCache`: every token quantized, plus the 16-bit

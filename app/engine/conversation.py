@@ -170,7 +170,7 @@ class ConversationEngine:
         """The branch ending at `parent_id` as chat messages, and the system prompt."""
         conversation = self.store.get(conversation_id)
         chat = [{"role": m.role, "content": m.content} for m in self.store.branch(parent_id)]
-        system = options.system if options.system is not None else conversation.system_prompt
+        system = conversation.system_for(options.system)
         return chat, system
 
     def _fitting_prompt(

@@ -308,13 +308,10 @@ class _PrefixKeys:
 
 
 def _join(codec, pieces: dict[str, list], fmt: str, shape: LayerShape):
-    named = {
-        name: mx.concatenate([from_stored(p) for p in parts], axis=2)
-        for name, parts in pieces.items()
-    }
+    stored = {name: [from_stored(p) for p in parts] for name, parts in pieces.items()}
     if isinstance(codec, PlainCodec):  # back to the type the model computes in
-        return codec.build(named, fmt, shape.dtype)
-    return codec.build(named, fmt)
+        return codec.from_chunks(stored, shape.dtype)
+    return codec.build({name: mx.concatenate(parts, axis=2) for name, parts in stored.items()}, fmt)
 
 
 def sixteen_bit_type(model_dir: Path) -> str | None:

@@ -161,7 +161,7 @@ class ChatService:
             conversation = self.store.get(conversation_id)
             leaf = conversation.current_message_id
             chat = [{"role": m.role, "content": m.content} for m in self.store.branch(leaf)]
-            system = system or conversation.system_prompt
+            system = conversation.system_for(system)
         before = len(engine.session.render(chat, system)) if chat or system else 0
         with_draft = before
         if draft.strip():
@@ -179,6 +179,12 @@ class ChatService:
 
     def rename(self, conversation_id: int, title: str) -> None:
         self.store.rename(conversation_id, title.strip())
+
+    def set_system_prompt(self, conversation_id: int, text: str) -> None:
+        """This chat's own system prompt; empty: the default from the preferences.
+        A saved cache that began with the old prompt is then no longer a prefix, so
+        the next turn recomputes (the cache rule, not a special case)."""
+        self.store.update_settings(conversation_id, system_prompt=text.strip() or None)
 
     def select_branch(self, conversation_id: int, message_id: int) -> None:
         self.store.select_branch(conversation_id, message_id)

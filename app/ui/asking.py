@@ -34,3 +34,12 @@ def edited_text(parent: QWidget, text: str) -> str | None:
     """The message as the user rewrote it; None when cancelled, blank or unchanged."""
     edited, ok = QInputDialog.getMultiLineText(parent, "Edit message", "Your message:", text)
     return edited if ok and edited.strip() and edited != text else None
+
+
+def system_prompt(parent: QWidget, current: str, default: str) -> str | None:
+    """This chat's own system prompt as the user set it ("" for the default); None when
+    cancelled or unchanged."""
+    label = "This chat's system prompt (empty: the default from Preferences"
+    label += f": “{default}”)" if default else ")"
+    text, ok = QInputDialog.getMultiLineText(parent, "System prompt", label, current)
+    return text.strip() if ok and text.strip() != current else None

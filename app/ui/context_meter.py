@@ -43,6 +43,17 @@ class ContextMeter(QWidget):
         self.use: ContextUse | None = None
         self.fresh.clicked.connect(self.new_chat_requested)
 
+    def show_if_current(self, use: ContextUse, conversation_id: int | None, draft: str) -> None:
+        """Show a count only if it is of the chat and the draft on screen now."""
+        if use.conversation_id == conversation_id and use.draft_text == draft:
+            self.show_use(use)
+
+    def known_not_to_fit(self, conversation_id: int | None, text: str) -> bool:
+        """Whether the last count already says that `text` does not fit this chat."""
+        use = self.use
+        counted = use is not None and use.conversation_id == conversation_id
+        return counted and use.draft_text.strip() == text and not use.fits
+
     def show_use(self, use: ContextUse) -> None:
         self.use = use
         if use.fits:

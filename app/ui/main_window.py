@@ -20,12 +20,12 @@ from app import __version__
 from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
 from app.ui import asking
+from app.ui.chat_header import ChatHeader
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
 from app.ui.context_meter import ContextMeter
 from app.ui.menus import build_menus
 from app.ui.model_bar import ModelBar
-from app.ui.preferences import PreferencesDialog
 from app.ui.quitting import wait_for_worker
 from app.ui.reading import rendered_messages, sidebar_entries
 from app.ui.render import RenderedMessage
@@ -61,6 +61,7 @@ class MainWindow(QMainWindow):
     export_requested = Signal(int, str, str)  # conversation, format, path
     save_preferences_requested = Signal(object)  # Preferences
     prefetch_requested = Signal(int)  # a conversation just selected
+    system_prompt_requested = Signal(int, str)  # conversation, its own prompt ("": default)
 
     def __init__(self) -> None:
         super().__init__()
@@ -74,6 +75,7 @@ class MainWindow(QMainWindow):
         self.generating = False
 
         self.sidebar = Sidebar()
+        self.header = ChatHeader()
         self.chat = ChatView()
         self.composer = Composer()
         self.meter = ContextMeter()
@@ -106,12 +108,14 @@ class MainWindow(QMainWindow):
     def on_preferences_saved(self, prefs: Preferences) -> None:
         if prefs is self._asked:
             self._asked = None
+        self._show_header()  # the default system prompt may have changed
 
     # -- layout and wiring -----------------------------------------------------
 
     def _build_layout(self) -> None:
         right = QWidget()
         column = QVBoxLayout(right)
+        column.addWidget(self.header)
         column.addWidget(self.chat, 1)
         column.addWidget(self.composer)
         column.addWidget(self.meter)
@@ -142,6 +146,7 @@ class MainWindow(QMainWindow):
             (self.export_requested, worker.export_text),
             (self.save_preferences_requested, worker.save_preferences),
             (self.prefetch_requested, worker.prefetch),
+            (self.system_prompt_requested, worker.set_system_prompt),
         ):
             request.connect(slot)
         worker.model_loaded.connect(self.on_model_loaded)
@@ -166,6 +171,7 @@ class MainWindow(QMainWindow):
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
         self.composer.stop_requested.connect(worker.stop, Qt.ConnectionType.DirectConnection)
         self.chat.action.connect(self.on_chat_action)
+        self.header.system_prompt_requested.connect(self.change_system_prompt)
         self.sidebar.new_requested.connect(self.new_chat)
         self.sidebar.conversation_selected.connect(self.show_conversation)
         self.sidebar.search_changed.connect(self.refresh_sidebar)
@@ -189,6 +195,7 @@ class MainWindow(QMainWindow):
     @Slot(str, str)
     def on_model_loaded(self, name: str, compute: str) -> None:
         self.models.show_loaded(name, compute)
+        self._show_header()
         self.ask_context()
         self._prefetch(self.conversation_id)
 
@@ -212,13 +219,27 @@ class MainWindow(QMainWindow):
         if self.generating:
             return
         self.conversation_id = conversation_id
-        self.chat.show_messages(self._rendered(conversation_id))
+        self.chat.show_messages(rendered_messages(self.store, conversation_id))
+        self._show_header()
         self.status.say("")
         self.status.clear_figures()
         self.sidebar.select(conversation_id)
         self.meter.clear()
         self.ask_context()
         self._prefetch(conversation_id)
+
+    def _show_header(self) -> None:
+        chat = self.store.get(self.conversation_id) if self.conversation_id else None
+        self.header.show(chat, self.models.current(), self.preferences().system_prompt)
+
+    @Slot()
+    def change_system_prompt(self) -> None:
+        if self.conversation_id is None or self.generating:
+            return
+        own = self.store.get(self.conversation_id).system_prompt or ""
+        text = asking.system_prompt(self, own, self.preferences().system_prompt)
+        if text is not None:
+            self.system_prompt_requested.emit(self.conversation_id, text)
 
     def _prefetch(self, conversation_id: int | None) -> None:
         """Start restoring the chat's saved cache now, not when the user presses Send."""
@@ -232,11 +253,6 @@ class MainWindow(QMainWindow):
         if conversation_id == self.conversation_id and not self.generating:
             self.status.on_prefetched(info)
 
-    def _rendered(self, conversation_id: int | None) -> list[RenderedMessage]:
-        return rendered_messages(self.store, conversation_id)
-
-    # -- a turn --------------------------------------------------------------------
-
     # -- the context meter ----------------------------------------------------------
 
     @Slot()
@@ -249,14 +265,7 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def on_context_counted(self, use: ContextUse) -> None:
-        current = use.conversation_id == self.conversation_id
-        if current and use.draft_text == self.composer.edit.toPlainText():
-            self.meter.show_use(use)
-
-    def _known_not_to_fit(self, text: str) -> bool:
-        use = self.meter.use
-        counted = use is not None and use.conversation_id == self.conversation_id
-        return counted and use.draft_text.strip() == text and not use.fits
+        self.meter.show_if_current(use, self.conversation_id, self.composer.edit.toPlainText())
 
     @Slot()
     def send_in_new_chat(self) -> None:
@@ -265,7 +274,7 @@ class MainWindow(QMainWindow):
 
     @Slot(str)
     def send(self, text: str) -> None:
-        if self._known_not_to_fit(text):
+        if self.meter.known_not_to_fit(self.conversation_id, text):
             self.composer.edit.setPlainText(text)  # kept: the meter says why and what to do
             return
         self.chat.append_streaming(RenderedMessage(-1, "user", text))
@@ -325,6 +334,7 @@ class MainWindow(QMainWindow):
     def on_conversation_started(self, conversation_id: int) -> None:
         self.conversation_id = conversation_id
         self.refresh_sidebar()
+        self._show_header()
 
     @Slot(bool)
     def on_busy(self, busy: bool) -> None:
@@ -342,7 +352,7 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def on_finished(self, reply: ReplyFinished) -> None:
         if self.conversation_id == reply.conversation_id:
-            self.chat.show_messages(self._rendered(self.conversation_id))
+            self.chat.show_messages(rendered_messages(self.store, self.conversation_id))
         self.status.on_finished(reply)
         self.refresh_sidebar()
         self.ask_context()
@@ -369,7 +379,7 @@ class MainWindow(QMainWindow):
         self.status.on_failed(message)
         self.models.show_failed()
         if self.conversation_id is not None and self._exists(self.conversation_id):
-            self.chat.show_messages(self._rendered(self.conversation_id))
+            self.chat.show_messages(rendered_messages(self.store, self.conversation_id))
         QMessageBox.warning(self, "Reprise", message)
 
     # -- sidebar actions ---------------------------------------------------------------
@@ -390,23 +400,6 @@ class MainWindow(QMainWindow):
         path = asking.export_path(self, self.store.get(conversation_id).title, fmt)
         if path is not None:
             self.export_requested.emit(conversation_id, fmt, path)
-
-    # -- dialogs -----------------------------------------------------------------------
-
-    @Slot()
-    def open_preferences(self) -> None:
-        dialog = PreferencesDialog(self.preferences(), self.index.usage()[1], self)
-        dialog.clear_caches_requested.connect(self.clear_caches_requested)
-        if dialog.exec() and dialog.chosen is not None:
-            self.ask_to_save(dialog.chosen)
-
-    @Slot()
-    def open_models(self) -> None:
-        from app.ui.models_dialog import ModelsDialog
-
-        dialog = ModelsDialog(self.engine.worker, self)
-        dialog.exec()
-        self.refresh_models()
 
     # -- quitting ------------------------------------------------------------------------
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import QMessageBox
 
 from app import __version__
+from app.ui.preferences import PreferencesDialog
 from app.ui.render import split_thinking
 
 if TYPE_CHECKING:
@@ -53,13 +55,31 @@ def focus_search(window: MainWindow) -> None:
     window.sidebar.search.selectAll()
 
 
+def open_preferences(window: MainWindow) -> None:
+    dialog = PreferencesDialog(window.preferences(), window.index.usage()[1], window)
+    dialog.clear_caches_requested.connect(window.clear_caches_requested)
+    if dialog.exec() and dialog.chosen is not None:
+        window.ask_to_save(dialog.chosen)
+
+
+def open_models(window: MainWindow) -> None:
+    from app.ui.models_dialog import ModelsDialog
+
+    ModelsDialog(window.engine.worker, window).exec()
+    window.refresh_models()
+
+
 def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable[[], None]]]]:
     """Each menu's entries: (label, keys, what it does)."""
     return {
         "&File": [
             ("New chat", QKeySequence.StandardKey.New, window.new_chat),
-            ("Preferences…", QKeySequence.StandardKey.Preferences, window.open_preferences),
-            ("Models…", "Ctrl+Shift+M", window.open_models),
+            (
+                "Preferences…",
+                QKeySequence.StandardKey.Preferences,
+                partial(open_preferences, window),
+            ),
+            ("Models…", "Ctrl+Shift+M", partial(open_models, window)),
             ("Quit", QKeySequence.StandardKey.Quit, window.close),
         ],
         "&Chat": [
