@@ -205,7 +205,7 @@ def _models(args: argparse.Namespace) -> int:
             print(f"[{done}/{total}] {stage}", file=sys.stderr)
 
         imported = import_in_child(args.path, models_dir, name, progress)
-        print(f"Imported {imported.name} into {imported.path}")
+        print(f"Imported {imported.name} into {imported.path}; weights: {imported.weights}")
         return 0
     if args.models_command == "delete":
         models.delete(args.name, models_dir)

@@ -179,3 +179,106 @@ def test_an_unknown_architecture_names_the_ones_supported(tmp_path):
     )
     with pytest.raises(GGUFImportError, match=r"'gemma2' model; only .*llama, qwen2, qwen3"):
         import_in_child(gguf, tmp_path / "models", "gemma")
+
+
+# K-quant blocks: random bytes are valid blocks; only the float16 super-block scales
+# (at these byte offsets) are fixed, small, so that the weights stay in a sane range.
+_KQUANT_SCALES = {
+    "Q2_K": (80, b"\x00\x1c\x00\x1c"),  # d, dmin = 2^-8
+    "Q4_K": (0, b"\x00\x0c\x00\x0c"),  # d, dmin = 2^-12
+    "Q6_K": (208, b"\x00\x04"),  # d = 2^-14
+}
+
+
+def _quantized(values: np.ndarray, type_name: str, rng) -> np.ndarray:
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name not in _KQUANT_SCALES:
+        return gguf.quants.quantize(values, qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(values.size // block, size), dtype=np.uint8)
+    start, scales = _KQUANT_SCALES[type_name]
+    raw[:, start : start + len(scales)] = np.frombuffer(scales, dtype=np.uint8)
+    return raw.reshape(values.shape[0], -1)
+
+
+def _write_with_gguf_package(path, arch: str, tensors: dict, raw: dict, meta: dict) -> None:
+    """A GGUF file written by the `gguf` package, which can store K-quant tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        elif value.ndim:
+            writer.add_array(key, value.tolist())
+        elif value.dtype == mx.float32:
+            writer.add_float32(key, value.item())
+        else:
+            writer.add_uint32(key, value.item())
+    for name, value in tensors.items():
+        if name in raw:
+            data, type_name = raw[name]
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[type_name])
+        else:
+            writer.add_tensor(name, np.array(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K", "Q6_K", "BF16"])
+def test_k_quant_and_bf16_tensors_import_as_float16_with_their_values(tmp_path, type_name):
+    import gguf
+
+    config = _config("llama", False) | {"intermediate_size": 256}
+    reference = _reference(config)
+    tensors = _gguf_tensors(reference, "llama")
+    rng = np.random.default_rng(0)
+    raw, exact = {}, []
+    for i in range(LAYERS):
+        name = f"blk.{i}.ffn_down.weight"  # rows of 256: whole K-quant blocks
+        data = _quantized(np.array(tensors[name]), type_name, rng)
+        raw[name] = (data, type_name)
+        qtype = gguf.GGMLQuantizationType[type_name]
+        values = gguf.quants.dequantize(data, qtype).astype(np.float16).astype(np.float32)
+        exact.append((f"model.layers.{i}.mlp.down_proj.weight", mx.array(values)))
+    reference.load_weights(exact, strict=False)  # the reference gets the exact values
+    gguf_path = tmp_path / "k.gguf"
+    meta = _metadata(
+        "llama", config, **{"llama.feed_forward_length": mx.array(256, dtype=mx.uint32)}
+    )
+    _write_with_gguf_package(gguf_path, "llama", tensors, raw, meta)
+
+    imported = import_in_child(gguf_path, tmp_path / "models", "k")
+
+    assert f"float16 (dequantized from {type_name})" in imported.weights
+    model, _ = load_model(imported.path)
+    prompt = mx.array([[5, 70, 99, 3, 180, 260, 42, 11]])
+    expected, got = reference(prompt), model(prompt)
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("type_name", ["Q5_K", "Q3_K", "IQ4_NL"])
+def test_unsupported_tensor_types_are_refused_by_name(tmp_path, type_name):
+    config = _config("llama", False) | {"intermediate_size": 256}
+    tensors = _gguf_tensors(_reference(config), "llama")
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = np.zeros((HIDDEN, 256 // block * size), dtype=np.uint8)
+    gguf_path = tmp_path / "odd.gguf"
+    meta = _metadata("llama", config)
+    _write_with_gguf_package(
+        gguf_path, "llama", tensors, {"blk.0.ffn_down.weight": (data, type_name)}, meta
+    )
+    with pytest.raises(GGUFImportError, match=f"blk.0.ffn_down.weight as {type_name}, which"):
+        import_in_child(gguf_path, tmp_path / "models", "odd")
+    assert not (tmp_path / "models").exists() or not list((tmp_path / "models").iterdir())

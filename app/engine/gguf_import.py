@@ -33,7 +33,8 @@ from app.engine.gguf_arch import (
     meta_str,
     model_config,
 )
-from app.engine.gguf_check import GGUFImportError, check_gguf
+from app.engine.gguf_check import FLOAT16_ON_IMPORT, GGUFImportError, GGUFLayout, check_gguf
+from app.engine.gguf_kquants import replace_q4_k
 from app.engine.models import staged_folder
 
 __all__ = ["GGUFImportError", "ImportedModel", "import_gguf"]
@@ -68,6 +69,7 @@ class ImportedModel:
     name: str
     path: Path
     architecture: str
+    weights: str = ""  # how the weights are stored, e.g. "float16 (from Q4_K, Q6_K), 1.2 GB"
 
 
 def import_gguf(
@@ -88,7 +90,7 @@ def import_gguf(
         raise GGUFImportError(f"A model named {name!r} already exists in {models_dir}")
 
     report("Reading GGUF", 0, 4)
-    tensors, meta = _read_gguf(gguf_path)
+    layout, tensors, meta = _read_gguf(gguf_path)
     arch = architecture_of(meta, gguf_path.name)
     report("Building tokenizer", 1, 4)
     context = meta_count(meta, f"{arch.gguf_name}.context_length", 4096)
@@ -108,8 +110,9 @@ def import_gguf(
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "tokenizer.json").write_text(tokenizer_json)
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        stored = _describe_weights(layout, (staging / "model.safetensors").stat().st_size)
     report("Done", 4, 4)
-    return ImportedModel(name, target, arch.gguf_name)
+    return ImportedModel(name, target, arch.gguf_name, stored)
 
 
 def _check_model_name(name: str) -> None:
@@ -117,14 +120,25 @@ def _check_model_name(name: str) -> None:
         raise GGUFImportError(f"{name!r} is not a usable model name")
 
 
-def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
-    check_gguf(path)  # mlx trusts what the file declares; we do not
+def _read_gguf(path: Path) -> tuple[GGUFLayout, dict[str, mx.array], dict]:
+    layout = check_gguf(path)  # mlx trusts what the file declares; we do not
     try:
         tensors, meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
         message = f"{path.name} could not be read (truncated or damaged?): {exc}"
         raise GGUFImportError(message) from exc
-    return tensors, meta
+    replace_q4_k(path, layout, tensors)
+    return layout, tensors, meta
+
+
+def _describe_weights(layout: GGUFLayout, size: int) -> str:
+    """What the user gets: K-quant and BF16 tensors arrive as float16, several times larger."""
+    widened = sorted({t.type_name for t in layout.tensors if t.type_name in FLOAT16_ON_IMPORT})
+    kept = sorted({t.type_name for t in layout.tensors} - set(widened) - {"F32"})
+    parts = [", ".join(kept)] if kept else []
+    if widened:
+        parts.append(f"float16 (dequantized from {', '.join(widened)})")
+    return f"{' + '.join(parts) or 'F32'}, {size / 1e9:.2f} GB"
 
 
 def _tokenizer_files(meta: dict, context_length: int) -> tuple[str, dict]:
