@@ -8,8 +8,9 @@ float arrays. What this module adds:
   architecture, with the rope layout llama.cpp's converter left (`gguf_arch`);
 - the file's structure checked by our own reader first (`gguf_check`), since
   mlx's reader trusts the sizes and offsets a file declares;
-- a Hugging Face `tokenizer.json` rebuilt from the GGUF vocabulary and merges
-  (byte-level BPE), plus the chat template from `tokenizer.chat_template`.
+- a Hugging Face `tokenizer.json` rebuilt from the GGUF vocabulary: byte-level
+  BPE from its merges, or SentencePiece from its scores (`gguf_spm`), plus the
+  chat template from `tokenizer.chat_template`.
 
 The folder is assembled under a hidden temporary name and renamed into place
 only when complete, so a failed import leaves nothing behind.
@@ -35,6 +36,7 @@ from app.engine.gguf_arch import (
 )
 from app.engine.gguf_check import FLOAT16_ON_IMPORT, GGUFImportError, GGUFLayout, check_gguf
 from app.engine.gguf_kquants import replace_q4_k
+from app.engine.gguf_spm import sentencepiece_tokenizer
 from app.engine.models import staged_folder
 
 __all__ = ["GGUFImportError", "ImportedModel", "import_gguf"]
@@ -142,30 +144,26 @@ def _describe_weights(layout: GGUFLayout, size: int) -> str:
 
 
 def _tokenizer_files(meta: dict, context_length: int) -> tuple[str, dict]:
-    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+    from tokenizers import AddedToken
 
     tokens = meta.get("tokenizer.ggml.tokens")
-    merges = meta.get("tokenizer.ggml.merges")
     if not tokens:
         raise GGUFImportError("The GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
     kind = meta_str(meta, "tokenizer.ggml.model")
-    if kind != "gpt2" or not merges:
-        raise GGUFImportError(
-            f"Tokenizer type {kind!r} is not supported yet; only byte-level BPE ('gpt2') is"
+    if kind == "gpt2" and meta.get("tokenizer.ggml.merges"):
+        tokenizer = _byte_level_tokenizer(meta, tokens)
+    elif kind == "llama":
+        tokenizer = sentencepiece_tokenizer(
+            tokens,
+            meta.get("tokenizer.ggml.scores"),
+            meta.get("tokenizer.ggml.token_type"),
+            bool(meta_num(meta, "tokenizer.ggml.add_space_prefix", True)),
         )
-    pre = meta_str(meta, "tokenizer.ggml.pre") or "default"
-    if pre not in _PRE_TOKENIZERS:
-        raise GGUFImportError(f"Pre-tokenizer {pre!r} is not supported yet")
-    split_digits, pattern = _PRE_TOKENIZERS[pre]
-
-    tokenizer = _bpe_tokenizer(tokens, merges)
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
-    steps += [
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ]
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    tokenizer.decoder = decoders.ByteLevel()
+    else:
+        raise GGUFImportError(
+            f"Tokenizer type {kind!r} is not supported yet; only byte-level BPE ('gpt2') "
+            "and SentencePiece ('llama') are"
+        )
 
     types = meta.get("tokenizer.ggml.token_type")
     types = types.tolist() if isinstance(types, mx.array) else [1] * len(tokens)
@@ -198,6 +196,25 @@ def _tokenizer_files(meta: dict, context_length: int) -> tuple[str, dict]:
         "chat_template": template,
     }
     return tokenizer.to_str(), config
+
+
+def _byte_level_tokenizer(meta: dict, tokens: list):
+    """GPT-2 style byte-level BPE, split first by the pre-tokenizer the file names."""
+    from tokenizers import Regex, decoders, pre_tokenizers
+
+    pre = meta_str(meta, "tokenizer.ggml.pre") or "default"
+    if pre not in _PRE_TOKENIZERS:
+        raise GGUFImportError(f"Pre-tokenizer {pre!r} is not supported yet")
+    split_digits, pattern = _PRE_TOKENIZERS[pre]
+    tokenizer = _bpe_tokenizer(tokens, meta.get("tokenizer.ggml.merges"))
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
+    steps += [
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
 
 
 def _bpe_tokenizer(tokens: object, merges: object):
