@@ -98,7 +98,7 @@ def _add_model_commands(commands) -> None:
     model_commands = models.add_subparsers(dest="models_command", required=True)
     listing = model_commands.add_parser("list", help="installed models")
     listing.add_argument("--json", action="store_true")
-    gguf = model_commands.add_parser("import-gguf", help="import a llama-family GGUF file")
+    gguf = model_commands.add_parser("import-gguf", help="import a llama or qwen GGUF file")
     gguf.add_argument("path", type=Path)
     gguf.add_argument("--name", help="model name (default: the file name)")
     gguf.add_argument(

@@ -40,9 +40,7 @@ SAMPLES = [
 _NORMAL, _UNKNOWN, _CONTROL, _UNUSED, _BYTE = 1, 2, 3, 5, 6
 
 
-@pytest.fixture(scope="module")
-def sentencepiece_model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("spm")
+def _train(folder, space_prefix: bool = True) -> spm.SentencePieceProcessor:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(CORPUS),
         model_prefix=str(folder / "m"),
@@ -51,11 +49,16 @@ def sentencepiece_model(tmp_path_factory):
         byte_fallback=True,
         normalization_rule_name="identity",
         remove_extra_whitespaces=False,
-        add_dummy_prefix=True,
+        add_dummy_prefix=space_prefix,
         character_coverage=1.0,
         minloglevel=2,
     )
     return spm.SentencePieceProcessor(model_file=str(folder / "m.model"))
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("spm"))
 
 
 def _piece_type(sp, i: int) -> int:
@@ -110,20 +113,7 @@ def test_sentencepiece_vocabulary_encodes_like_sentencepiece(tmp_path, sentencep
 
 
 def test_a_vocabulary_without_the_space_prefix_encodes_like_sentencepiece(tmp_path):
-    folder = tmp_path / "spm"
-    folder.mkdir()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS),
-        model_prefix=str(folder / "m"),
-        model_type="bpe",
-        vocab_size=400,
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        minloglevel=2,
-    )
-    sp = spm.SentencePieceProcessor(model_file=str(folder / "m.model"))
+    sp = _train(tmp_path, space_prefix=False)
     gguf = _gguf(tmp_path / "np.gguf", sp, **{"tokenizer.ggml.add_space_prefix": mx.array(False)})
     imported = import_in_child(gguf, tmp_path / "models", "np")
     tokenizer = Tokenizer.from_file(str(imported.path / "tokenizer.json"))
