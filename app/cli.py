@@ -98,7 +98,7 @@ def _add_model_commands(commands) -> None:
     model_commands = models.add_subparsers(dest="models_command", required=True)
     listing = model_commands.add_parser("list", help="installed models")
     listing.add_argument("--json", action="store_true")
-    gguf = model_commands.add_parser("import-gguf", help="import a llama-family GGUF file")
+    gguf = model_commands.add_parser("import-gguf", help="import a llama or qwen GGUF file")
     gguf.add_argument("path", type=Path)
     gguf.add_argument("--name", help="model name (default: the file name)")
     gguf.add_argument(
@@ -205,7 +205,7 @@ def _models(args: argparse.Namespace) -> int:
             print(f"[{done}/{total}] {stage}", file=sys.stderr)
 
         imported = import_in_child(args.path, models_dir, name, progress)
-        print(f"Imported {imported.name} into {imported.path}")
+        print(f"Imported {imported.name} into {imported.path}; weights: {imported.weights}")
         return 0
     if args.models_command == "delete":
         models.delete(args.name, models_dir)

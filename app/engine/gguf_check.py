@@ -47,17 +47,33 @@ _STRING = 8
 _ARRAY = 9
 _UINT32 = 4
 
-# The ggml tensor types mlx reads: id -> (name, elements per block, bytes per block).
+# The ggml tensor types we import: id -> (name, elements per block, bytes per block).
+# mx.load keeps Q4_0/Q4_1/Q8_0 quantized and turns BF16, Q2_K and Q6_K into float16
+# (checked against the `gguf` package's reference); Q4_K it reads wrongly, so
+# gguf_kquants dequantizes that one.
 TENSOR_TYPES = {
     0: ("F32", 1, 4),
     1: ("F16", 1, 2),
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
     8: ("Q8_0", 32, 34),
+    10: ("Q2_K", 256, 84),
+    12: ("Q4_K", 256, 144),
+    14: ("Q6_K", 256, 210),
     24: ("I8", 1, 1),
     25: ("I16", 1, 2),
     26: ("I32", 1, 4),
+    30: ("BF16", 1, 2),
 }
+# Types llama.cpp writes that mx.load cannot read (it fails on the whole file), named
+# so that the refusal says which one the file uses.
+UNSUPPORTED_TYPES = {
+    6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 11: "Q3_K", 13: "Q5_K", 15: "Q8_K",
+    16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
+    22: "IQ2_S", 23: "IQ4_XS", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0",
+    35: "TQ2_0", 39: "MXFP4",
+}  # fmt: skip
+FLOAT16_ON_IMPORT = ("BF16", "Q2_K", "Q4_K", "Q6_K")
 
 
 class GGUFImportError(UserError):
@@ -212,6 +228,12 @@ def _read_tensor(reader: _Reader, index: int) -> TensorRecord:
     if min(dims) < 1:
         raise reader.fail(f"tensor {name} has an empty dimension {list(dims)}")
     type_id = reader.u32(f"the type of {name}")
+    if type_id in UNSUPPORTED_TYPES:
+        supported = ", ".join(t[0] for t in TENSOR_TYPES.values() if not t[0].startswith("I"))
+        raise GGUFImportError(
+            f"{reader.label} stores tensor {name} as {UNSUPPORTED_TYPES[type_id]}, which cannot "
+            f"be imported yet (the types that can: {supported}); try a Q4_K_M, Q4_0 or Q8_0 file"
+        )
     if type_id not in TENSOR_TYPES:
         raise reader.fail(f"tensor {name} has ggml type {type_id}, which cannot be imported")
     type_name, block, block_bytes = TENSOR_TYPES[type_id]

@@ -64,7 +64,9 @@ def import_in_child(
         child_stderr = errors.read().decode("utf-8", "replace")[-4000:]
     if "imported" in outcome:
         found = outcome["imported"]
-        return ImportedModel(found["name"], Path(found["path"]), found["architecture"])
+        return ImportedModel(
+            found["name"], Path(found["path"]), found["architecture"], found.get("weights", "")
+        )
     if "refused" in outcome:
         raise GGUFImportError(outcome["refused"])
     _remove_staging(models_dir, name or Path(gguf_path).stem)
@@ -148,7 +150,12 @@ def run_child() -> int:
         send({"bug": traceback.format_exc()})
     else:
         found = {"name": imported.name, "path": str(imported.path)}
-        send({"imported": found | {"architecture": imported.architecture}})
+        send(
+            {
+                "imported": found
+                | {"architecture": imported.architecture, "weights": imported.weights}
+            }
+        )
     return 0
 
 

@@ -1,17 +1,16 @@
-"""Import a llama-family GGUF file into an MLX model folder.
+"""Import a GGUF file (llama, qwen2, qwen3) into an MLX model folder.
 
 `mx.load` reads GGUF directly: Q4_0/Q4_1/Q8_0 tensors arrive as MLX affine
 quantized weights (weight, scales, biases, group size 32), everything else as
 float arrays. What this module adds:
 
-- tensor names mapped to mlx-lm's llama layout;
-- `rope_traditional: true`, because llama.cpp's converter permutes the Q and K
-  projections for its interleaved rotary layout, which is MLX's "traditional"
-  rope (so the weights need no un-permuting);
+- tensor names and metadata mapped to mlx-lm's layout and config, per
+  architecture, with the rope layout llama.cpp's converter left (`gguf_arch`);
 - the file's structure checked by our own reader first (`gguf_check`), since
   mlx's reader trusts the sizes and offsets a file declares;
-- a Hugging Face `tokenizer.json` rebuilt from the GGUF vocabulary and merges
-  (byte-level BPE), plus the chat template from `tokenizer.chat_template`.
+- a Hugging Face `tokenizer.json` rebuilt from the GGUF vocabulary: byte-level
+  BPE from its merges, or SentencePiece from its scores (`gguf_spm`), plus the
+  chat template from `tokenizer.chat_template`.
 
 The folder is assembled under a hidden temporary name and renamed into place
 only when complete, so a failed import leaves nothing behind.
@@ -21,38 +20,26 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
-from app.engine.gguf_check import GGUFImportError, check_gguf
+from app.engine.gguf_arch import (
+    architecture_of,
+    map_weights,
+    meta_count,
+    meta_num,
+    meta_str,
+    model_config,
+)
+from app.engine.gguf_check import FLOAT16_ON_IMPORT, GGUFImportError, GGUFLayout, check_gguf
+from app.engine.gguf_kquants import replace_q4_k
+from app.engine.gguf_spm import sentencepiece_tokenizer
 from app.engine.models import staged_folder
 
 __all__ = ["GGUFImportError", "ImportedModel", "import_gguf"]
-
-# GGUF tensor name -> mlx-lm llama parameter name.
-_TOP_LEVEL = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_PER_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
-_TOP_NAME = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
 
 # Pre-tokenizer splitting rules, by GGUF `tokenizer.ggml.pre`. These are the
 # regular expressions the original Hugging Face tokenizers use.
@@ -70,6 +57,8 @@ _PRE_TOKENIZERS = {
     "refact": (True, _GPT2_SPLIT),
     "llama-bpe": (False, _LLAMA3_SPLIT),
     "llama3": (False, _LLAMA3_SPLIT),
+    # Qwen2's own regex is llama 3's with numbers split into single digits.
+    "qwen2": (False, _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")),
 }
 _CONTROL_TOKEN = 3
 _USER_DEFINED_TOKEN = 4
@@ -82,6 +71,7 @@ class ImportedModel:
     name: str
     path: Path
     architecture: str
+    weights: str = ""  # how the weights are stored, e.g. "float16 (from Q4_K, Q6_K), 1.2 GB"
 
 
 def import_gguf(
@@ -102,18 +92,14 @@ def import_gguf(
         raise GGUFImportError(f"A model named {name!r} already exists in {models_dir}")
 
     report("Reading GGUF", 0, 4)
-    tensors, meta = _read_gguf(gguf_path)
-    architecture = _meta_str(meta, "general.architecture")
-    if architecture != "llama":
-        raise GGUFImportError(
-            f"{gguf_path.name} is a {architecture or 'unknown'!r} model; "
-            "only llama-family GGUF files can be imported"
-        )
+    layout, tensors, meta = _read_gguf(gguf_path)
+    arch = architecture_of(meta, gguf_path.name)
     report("Building tokenizer", 1, 4)
-    tokenizer_json, tokenizer_config = _tokenizer_files(meta)
+    context = meta_count(meta, f"{arch.gguf_name}.context_length", 4096)
+    tokenizer_json, tokenizer_config = _tokenizer_files(meta, context)
     report("Mapping weights", 2, 4)
-    weights = _map_weights(tensors)
-    config = _model_config(meta, weights)
+    weights = map_weights(arch, tensors)
+    config = model_config(arch, meta, weights)
 
     with staged_folder(models_dir, name, "import") as staging:
         report("Writing model folder", 3, 4)
@@ -126,8 +112,9 @@ def import_gguf(
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "tokenizer.json").write_text(tokenizer_json)
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        stored = _describe_weights(layout, (staging / "model.safetensors").stat().st_size)
     report("Done", 4, 4)
-    return ImportedModel(name, target, architecture)
+    return ImportedModel(name, target, arch.gguf_name, stored)
 
 
 def _check_model_name(name: str) -> None:
@@ -135,145 +122,48 @@ def _check_model_name(name: str) -> None:
         raise GGUFImportError(f"{name!r} is not a usable model name")
 
 
-def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
-    check_gguf(path)  # mlx trusts what the file declares; we do not
+def _read_gguf(path: Path) -> tuple[GGUFLayout, dict[str, mx.array], dict]:
+    layout = check_gguf(path)  # mlx trusts what the file declares; we do not
     try:
         tensors, meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
         message = f"{path.name} could not be read (truncated or damaged?): {exc}"
         raise GGUFImportError(message) from exc
-    return tensors, meta
+    replace_q4_k(path, layout, tensors)
+    return layout, tensors, meta
 
 
-def _meta_str(meta: dict, key: str) -> str | None:
-    value = meta.get(key)
-    return value if isinstance(value, str) else None
+def _describe_weights(layout: GGUFLayout, size: int) -> str:
+    """What the user gets: K-quant and BF16 tensors arrive as float16, several times larger."""
+    widened = sorted({t.type_name for t in layout.tensors if t.type_name in FLOAT16_ON_IMPORT})
+    kept = sorted({t.type_name for t in layout.tensors} - set(widened) - {"F32"})
+    parts = [", ".join(kept)] if kept else []
+    if widened:
+        parts.append(f"float16 (dequantized from {', '.join(widened)})")
+    return f"{' + '.join(parts) or 'F32'}, {size / 1e9:.2f} GB"
 
 
-def _meta_num(meta: dict, key: str, default=None):
-    value = meta.get(key)
-    if value is None:
-        if default is None:
-            raise GGUFImportError(f"The GGUF metadata lacks {key}")
-        return default
-    if isinstance(value, mx.array) and value.size == 1:
-        value = value.item()
-    if isinstance(value, bool | int | float) and math.isfinite(value):
-        return value
-    raise GGUFImportError(f"The GGUF metadata {key} is not a number")
-
-
-def _meta_count(meta: dict, key: str, default: int | None = None) -> int:
-    """A size the model is built with: a whole number of at least 1."""
-    value = _meta_num(meta, key, default)
-    if isinstance(value, bool) or value != int(value) or value < 1:
-        raise GGUFImportError(f"The GGUF metadata {key} ({value}) is not a usable size")
-    return int(value)
-
-
-def _map_weights(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
-    weights = {}
-    for key, value in tensors.items():
-        if match := _BLOCK_NAME.match(key):
-            block, part, suffix = match.groups()
-            if part not in _PER_BLOCK:
-                raise GGUFImportError(f"Unsupported tensor {key} (not a plain llama block)")
-            weights[f"model.layers.{block}.{_PER_BLOCK[part]}.{suffix}"] = value
-        elif (match := _TOP_NAME.match(key)) and match.group(1) in _TOP_LEVEL:
-            weights[f"{_TOP_LEVEL[match.group(1)]}.{match.group(2)}"] = value
-        elif key == "rope_freqs.weight":
-            raise GGUFImportError("GGUF files with rope frequency factors are not supported yet")
-        else:
-            raise GGUFImportError(f"Unsupported tensor {key} (not a plain llama model)")
-    return weights
-
-
-def _quant_params(weights: dict[str, mx.array], prefix: str, in_dims: int) -> dict | None:
-    scales = weights.get(f"{prefix}.scales")
-    if scales is None:
-        return None
-    packed = weights[f"{prefix}.weight"]
-    return {
-        "group_size": in_dims // scales.shape[-1],
-        "bits": packed.shape[-1] * 32 // in_dims,
-    }
-
-
-def _model_config(meta: dict, weights: dict[str, mx.array]) -> dict:
-    hidden = _meta_count(meta, "llama.embedding_length")
-    layers = _meta_count(meta, "llama.block_count")
-    heads = _meta_count(meta, "llama.attention.head_count")
-    head_dim = _meta_count(meta, "llama.attention.key_length", max(1, hidden // heads))
-    for i in range(layers):
-        for part in _PER_BLOCK.values():
-            if f"model.layers.{i}.{part}.weight" not in weights:
-                raise GGUFImportError(f"The GGUF file lacks layer {i}'s {part} weights")
-    if "model.embed_tokens.weight" not in weights:
-        raise GGUFImportError("The GGUF file lacks the token embeddings")
-
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "intermediate_size": _meta_count(meta, "llama.feed_forward_length"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _meta_count(meta, "llama.attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": float(_meta_num(meta, "llama.attention.layer_norm_rms_epsilon")),
-        "vocab_size": weights["model.embed_tokens.weight"].shape[0],
-        "rope_theta": float(_meta_num(meta, "llama.rope.freq_base", 10000.0)),
-        "rope_traditional": True,
-        "max_position_embeddings": _meta_count(meta, "llama.context_length", 4096),
-        "tie_word_embeddings": "lm_head.weight" not in weights,
-    }
-    in_dims = {
-        "embed_tokens": hidden,
-        "o_proj": heads * head_dim,
-        "down_proj": config["intermediate_size"],
-    }
-    quantized = {}
-    for key in weights:
-        if key.endswith(".scales"):
-            prefix = key[: -len(".scales")]
-            dims = in_dims.get(prefix.rsplit(".", 1)[-1], hidden)
-            quantized[prefix] = _quant_params(weights, prefix, dims)
-    if quantized:
-        # The most common setting is the default; mlx-lm takes per-layer entries for the rest.
-        settings = [json.dumps(q, sort_keys=True) for q in quantized.values()]
-        default = json.loads(max(set(settings), key=settings.count))
-        config["quantization"] = dict(default)
-        for prefix, params in quantized.items():
-            if params != default:
-                config["quantization"][prefix] = params
-    return config
-
-
-def _tokenizer_files(meta: dict) -> tuple[str, dict]:
-    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+def _tokenizer_files(meta: dict, context_length: int) -> tuple[str, dict]:
+    from tokenizers import AddedToken
 
     tokens = meta.get("tokenizer.ggml.tokens")
-    merges = meta.get("tokenizer.ggml.merges")
     if not tokens:
         raise GGUFImportError("The GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
-    kind = _meta_str(meta, "tokenizer.ggml.model")
-    if kind != "gpt2" or not merges:
-        raise GGUFImportError(
-            f"Tokenizer type {kind!r} is not supported yet; only byte-level BPE ('gpt2') is"
+    kind = meta_str(meta, "tokenizer.ggml.model")
+    if kind == "gpt2" and meta.get("tokenizer.ggml.merges"):
+        tokenizer = _byte_level_tokenizer(meta, tokens)
+    elif kind == "llama":
+        tokenizer = sentencepiece_tokenizer(
+            tokens,
+            meta.get("tokenizer.ggml.scores"),
+            meta.get("tokenizer.ggml.token_type"),
+            bool(meta_num(meta, "tokenizer.ggml.add_space_prefix", True)),
         )
-    pre = _meta_str(meta, "tokenizer.ggml.pre") or "default"
-    if pre not in _PRE_TOKENIZERS:
-        raise GGUFImportError(f"Pre-tokenizer {pre!r} is not supported yet")
-    split_digits, pattern = _PRE_TOKENIZERS[pre]
-
-    tokenizer = _bpe_tokenizer(tokens, merges)
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
-    steps += [
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ]
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    tokenizer.decoder = decoders.ByteLevel()
+    else:
+        raise GGUFImportError(
+            f"Tokenizer type {kind!r} is not supported yet; only byte-level BPE ('gpt2') "
+            "and SentencePiece ('llama') are"
+        )
 
     types = meta.get("tokenizer.ggml.token_type")
     types = types.tolist() if isinstance(types, mx.array) else [1] * len(tokens)
@@ -291,7 +181,7 @@ def _tokenizer_files(meta: dict) -> tuple[str, dict]:
         position = int(index.item())
         return tokens[position] if 0 <= position < len(tokens) else None
 
-    template = _meta_str(meta, "tokenizer.chat_template")
+    template = meta_str(meta, "tokenizer.chat_template")
     if not template:
         raise GGUFImportError("The GGUF file has no chat template (tokenizer.chat_template)")
     config = {
@@ -300,12 +190,31 @@ def _tokenizer_files(meta: dict) -> tuple[str, dict]:
         "eos_token": token_at("tokenizer.ggml.eos_token_id"),
         "pad_token": token_at("tokenizer.ggml.padding_token_id"),
         "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
-        "add_bos_token": bool(_meta_num(meta, "tokenizer.ggml.add_bos_token", False)),
-        "model_max_length": _meta_count(meta, "llama.context_length", 4096),
+        "add_bos_token": bool(meta_num(meta, "tokenizer.ggml.add_bos_token", False)),
+        "model_max_length": context_length,
         "clean_up_tokenization_spaces": False,
         "chat_template": template,
     }
     return tokenizer.to_str(), config
+
+
+def _byte_level_tokenizer(meta: dict, tokens: list):
+    """GPT-2 style byte-level BPE, split first by the pre-tokenizer the file names."""
+    from tokenizers import Regex, decoders, pre_tokenizers
+
+    pre = meta_str(meta, "tokenizer.ggml.pre") or "default"
+    if pre not in _PRE_TOKENIZERS:
+        raise GGUFImportError(f"Pre-tokenizer {pre!r} is not supported yet")
+    split_digits, pattern = _PRE_TOKENIZERS[pre]
+    tokenizer = _bpe_tokenizer(tokens, meta.get("tokenizer.ggml.merges"))
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
+    steps += [
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
 
 
 def _bpe_tokenizer(tokens: object, merges: object):

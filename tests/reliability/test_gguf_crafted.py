@@ -96,7 +96,14 @@ CASES = {
         lambda g: _tensor(g, EMBED, dims=[2**64 - 1, 2**64 - 1]),
         "past the end",
     ),
-    "Q4_K (unsupported type)": (lambda g: _tensor(g, NORM, ggml_type=12), "ggml type 12"),
+    "Q5_K (unsupported type)": (
+        lambda g: _tensor(g, NORM, ggml_type=13),
+        "stores tensor .* as Q5_K, which cannot be imported yet",
+    ),
+    "Q4_K rows not whole blocks": (
+        lambda g: _tensor(g, NORM, ggml_type=12),
+        r"rows \(\d+\) are not whole Q4_K blocks",
+    ),
     "type 99": (lambda g: _tensor(g, NORM, ggml_type=99), "ggml type 99"),
     "Q8_0 rows not whole blocks": (
         lambda g: _tensor(g, NORM, ggml_type=8, dims=[100]),

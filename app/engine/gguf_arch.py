@@ -1,0 +1,212 @@
+"""GGUF architectures we import: tensor names and metadata mapped to mlx-lm's layout.
+
+One `Architecture` per GGUF `general.architecture` we accept. What differs
+between them, and why it matters:
+
+- Q/K layout. llama.cpp's converter permutes the Q and K projections of llama
+  models (its `LlamaModel.modify_tensors`) into the interleaved rotary layout,
+  which is MLX's "traditional" rope, so a llama import sets
+  `rope_traditional: true` and leaves the weights as they are. Its Qwen2 and
+  Qwen3 converters write Q and K unpermuted (Hugging Face's rotate-half layout),
+  so those imports keep mlx-lm's default `rope_traditional: false`.
+- Extra tensors: Qwen2 has biases on the Q, K and V projections; Qwen3 has
+  RMS norms on each head's queries and keys (`attn_q_norm`, `attn_k_norm`).
+- Metadata keys are prefixed with the architecture name (`qwen2.block_count`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from app.engine.gguf_check import GGUFImportError
+
+_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_PER_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
+_TOP_NAME = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    gguf_name: str
+    model_type: str  # mlx-lm's module name
+    hf_class: str
+    rope_traditional: bool
+    per_block: dict[str, str]  # GGUF block tensor -> mlx-lm name, all required
+    biased: tuple[str, ...] = ()  # GGUF block tensors that also carry a required .bias
+    rope_theta: float = 10000.0
+
+
+ARCHITECTURES = {
+    arch.gguf_name: arch
+    for arch in (
+        Architecture("llama", "llama", "LlamaForCausalLM", True, _PER_BLOCK),
+        Architecture(
+            "qwen2",
+            "qwen2",
+            "Qwen2ForCausalLM",
+            False,
+            _PER_BLOCK,
+            biased=("attn_q", "attn_k", "attn_v"),
+            rope_theta=1000000.0,
+        ),
+        Architecture(
+            "qwen3",
+            "qwen3",
+            "Qwen3ForCausalLM",
+            False,
+            _PER_BLOCK | _QK_NORMS,
+            rope_theta=1000000.0,
+        ),
+    )
+}
+
+
+def architecture_of(meta: dict, file_name: str) -> Architecture:
+    name = meta_str(meta, "general.architecture")
+    if name not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise GGUFImportError(
+            f"{file_name} is a {name or 'unknown'!r} model; "
+            f"only these GGUF architectures can be imported: {supported}"
+        )
+    return ARCHITECTURES[name]
+
+
+def meta_str(meta: dict, key: str) -> str | None:
+    value = meta.get(key)
+    return value if isinstance(value, str) else None
+
+
+def meta_num(meta: dict, key: str, default=None):
+    value = meta.get(key)
+    if value is None:
+        if default is None:
+            raise GGUFImportError(f"The GGUF metadata lacks {key}")
+        return default
+    if isinstance(value, mx.array) and value.size == 1:
+        value = value.item()
+    if isinstance(value, bool | int | float) and math.isfinite(value):
+        return value
+    raise GGUFImportError(f"The GGUF metadata {key} is not a number")
+
+
+def meta_count(meta: dict, key: str, default: int | None = None) -> int:
+    """A size the model is built with: a whole number of at least 1."""
+    value = meta_num(meta, key, default)
+    if isinstance(value, bool) or value != int(value) or value < 1:
+        raise GGUFImportError(f"The GGUF metadata {key} ({value}) is not a usable size")
+    return int(value)
+
+
+def map_weights(arch: Architecture, tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """GGUF tensor names -> mlx-lm parameter names; any tensor we do not know is refused."""
+    weights = {}
+    for key, value in tensors.items():
+        if match := _BLOCK_NAME.match(key):
+            block, part, suffix = match.groups()
+            if part not in arch.per_block or (suffix == "bias" and part not in arch.biased):
+                raise GGUFImportError(
+                    f"Unsupported tensor {key} (not a plain {arch.gguf_name} block)"
+                )
+            weights[f"model.layers.{block}.{arch.per_block[part]}.{suffix}"] = value
+        elif (match := _TOP_NAME.match(key)) and match.group(1) in _TOP_LEVEL:
+            weights[f"{_TOP_LEVEL[match.group(1)]}.{match.group(2)}"] = value
+        elif key == "rope_freqs.weight":
+            raise GGUFImportError("GGUF files with rope frequency factors are not supported yet")
+        else:
+            raise GGUFImportError(f"Unsupported tensor {key} (not a plain {arch.gguf_name} model)")
+    return weights
+
+
+def _check_complete(arch: Architecture, weights: dict[str, mx.array], layers: int) -> None:
+    for i in range(layers):
+        for gguf_part, part in arch.per_block.items():
+            suffixes = ("weight", "bias") if gguf_part in arch.biased else ("weight",)
+            for suffix in suffixes:
+                if f"model.layers.{i}.{part}.{suffix}" not in weights:
+                    raise GGUFImportError(f"The GGUF file lacks layer {i}'s {part} {suffix}")
+    if "model.embed_tokens.weight" not in weights:
+        raise GGUFImportError("The GGUF file lacks the token embeddings")
+
+
+def model_config(arch: Architecture, meta: dict, weights: dict[str, mx.array]) -> dict:
+    """mlx-lm's config.json for the mapped weights."""
+    prefix = arch.gguf_name
+
+    def count(key: str, default: int | None = None) -> int:
+        return meta_count(meta, f"{prefix}.{key}", default)
+
+    hidden = count("embedding_length")
+    layers = count("block_count")
+    heads = count("attention.head_count")
+    head_dim = count("attention.key_length", max(1, hidden // heads))
+    _check_complete(arch, weights, layers)
+    eps = meta_num(meta, f"{prefix}.attention.layer_norm_rms_epsilon")
+    config = {
+        "model_type": arch.model_type,
+        "architectures": [arch.hf_class],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": count("feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": count("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(eps),
+        "vocab_size": weights["model.embed_tokens.weight"].shape[0],
+        "rope_theta": float(meta_num(meta, f"{prefix}.rope.freq_base", arch.rope_theta)),
+        "rope_traditional": arch.rope_traditional,
+        "max_position_embeddings": count("context_length", 4096),
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+    }
+    if arch.model_type == "qwen2" and head_dim * heads != hidden:
+        # mlx-lm's qwen2 derives the head size from the hidden size; it has no head_dim.
+        raise GGUFImportError(f"This qwen2 model's head size ({head_dim}) is not supported")
+    quantization = _quantization(weights, hidden, heads * head_dim, config["intermediate_size"])
+    if quantization:
+        config["quantization"] = quantization
+    return config
+
+
+def _quantization(weights: dict[str, mx.array], hidden: int, attn: int, ffn: int) -> dict:
+    """mlx-lm's quantization entry: the commonest setting, plus per-layer exceptions."""
+    in_dims = {"embed_tokens": hidden, "o_proj": attn, "down_proj": ffn}
+    quantized = {}
+    for key, scales in weights.items():
+        if key.endswith(".scales"):
+            prefix = key[: -len(".scales")]
+            dims = in_dims.get(prefix.rsplit(".", 1)[-1], hidden)
+            packed = weights[f"{prefix}.weight"]
+            quantized[prefix] = {
+                "group_size": dims // scales.shape[-1],
+                "bits": packed.shape[-1] * 32 // dims,
+            }
+    if not quantized:
+        return {}
+    settings = [json.dumps(q, sort_keys=True) for q in quantized.values()]
+    default = json.loads(max(set(settings), key=settings.count))
+    result = dict(default)
+    for prefix, params in quantized.items():
+        if params != default:
+            result[prefix] = params
+    return result
