@@ -13,7 +13,6 @@ exceptions), and every storage failure in a store method becomes a clear
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -22,8 +21,7 @@ import sqlite_utils
 
 from sessions.db import is_row_id
 from sessions.errors import UserError, guarded
-
-TITLE_LENGTH = 60
+from sessions.titles import make_title
 
 
 class NotFound(UserError):
@@ -356,38 +354,6 @@ class ConversationStore:
                 lines += [f"**{m.role.capitalize()}:**", "", m.content, ""]
             return "\n".join(lines)
         raise UserError(f"Unknown export format {fmt!r} (use markdown or json)")
-
-
-def make_title(text: str) -> str:
-    """A chat's title from its first message: the first line of prose (else of code),
-    without its Markdown marks, cut at a word."""
-    prose = [_plain(line) for line in _outside_code(text.splitlines())]
-    code = [_plain(line) for line in text.splitlines() if not line.lstrip().startswith("```")]
-    line = next((line for line in [*prose, *code] if line), "")
-    if len(line) <= TITLE_LENGTH:
-        return line
-    cut = line[: TITLE_LENGTH - 1]
-    if " " in cut[TITLE_LENGTH // 2 :]:
-        cut = cut[: cut.rindex(" ")]
-    return cut.rstrip(" ,;:-") + "…"
-
-
-def _outside_code(lines: list[str]) -> list[str]:
-    """The lines that are not inside a fenced code block."""
-    outside, fenced = [], False
-    for line in lines:
-        if line.lstrip().startswith(("```", "~~~")):
-            fenced = not fenced
-        elif not fenced:
-            outside.append(line)
-    return outside
-
-
-def _plain(line: str) -> str:
-    """One line without Markdown's heading, quote, list and emphasis marks."""
-    line = re.sub(r"^\s*(#{1,6}\s+|>\s*|[-*+]\s+|\d+[.)]\s+)+", "", line)
-    line = re.sub(r"[*_`]+", "", line)
-    return " ".join(line.split())
 
 
 class ReplyWriter:
