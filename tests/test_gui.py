@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from PySide6.QtCore import QByteArray, QMimeData, QTimer
+from PySide6.QtCore import QByteArray, QMimeData, Qt, QTimer
 from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
@@ -123,12 +123,29 @@ def test_regenerate_and_edit_make_branches(qtbot, open_window, monkeypatch):
     qtbot.waitUntil(lambda: window.chat.messages[-1].id == first_reply, timeout=5_000)
 
     user = window.chat.messages[0].id
-    # The user types the new text into the Edit dialog.
-    monkeypatch.setattr(QInputDialog, "getMultiLineText", lambda *args: ("Name a fruit.", True))
+    # Edit puts the message in the composer, in place of the draft the user was typing.
+    window.composer.edit.setPlainText("a draft")
     window.on_chat_action("edit", user)
+    assert window.composer.edit.toPlainText() == "Name a colour."
+    assert window.composer.banner.isVisibleTo(window) and window.composer.button.text() == "Save"
+    window.composer.edit.setPlainText("Name a fruit.")
+    window.composer.edit.submitted.emit()  # what Enter does
     wait_reply(qtbot, window)
     assert window.chat.messages[0].content == "Name a fruit."
     assert window.chat.messages[0].branch == (2, 2)
+    assert window.composer.edit.toPlainText() == "a draft"  # the draft is back
+    assert not window.composer.banner.isVisibleTo(window)
+
+
+def test_esc_leaves_an_edit_and_gives_the_draft_back(qtbot, open_window):
+    window = open_window()
+    send(qtbot, window, "Name a colour.", greedy_tokens=4)
+    window.composer.edit.setPlainText("half a thought")
+    window.on_chat_action("edit", window.chat.messages[0].id)
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
+    assert window.composer.edit.toPlainText() == "half a thought"
+    assert window.composer.editing is None and window.composer.button.text() == "Send"
+    assert len(window.store.get(window.conversation_id).messages) == 2  # nothing was sent
 
 
 def test_reopening_after_a_restart_resumes_from_disk(qtbot, open_window):

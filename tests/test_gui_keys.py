@@ -76,7 +76,7 @@ def test_the_help_menu_lists_the_shortcuts_and_the_version(qtbot, open_window): 
     assert help_items == ["Keyboard shortcuts", "About Reprise"]
     listed = shortcut_list(window)
     for line in (
-        "Esc\tStop the reply",
+        "Esc\tStop the reply, or leave an edit",
         "Ctrl+R\tRegenerate",
         "Ctrl+Shift+C\tCopy the last",
         "in the chat\tMove through a message's actions",

@@ -30,12 +30,6 @@ def export_path(parent: QWidget, title: str, fmt: str) -> str | None:
     return name or None
 
 
-def edited_text(parent: QWidget, text: str) -> str | None:
-    """The message as the user rewrote it; None when cancelled, blank or unchanged."""
-    edited, ok = QInputDialog.getMultiLineText(parent, "Edit message", "Your message:", text)
-    return edited if ok and edited.strip() and edited != text else None
-
-
 def system_prompt(parent: QWidget, current: str, default: str) -> str | None:
     """This chat's own system prompt as the user set it ("" for the default); None when
     cancelled or unchanged."""

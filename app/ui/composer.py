@@ -1,10 +1,11 @@
-"""Where the user types: Enter sends, Shift+Enter starts a new line."""
+"""Where the user types: Enter sends, Shift+Enter starts a new line. Editing a sent
+message happens here too, in place of the draft, which comes back after."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import QHBoxLayout, QPlainTextEdit, QPushButton, QWidget
+from PySide6.QtGui import QKeyEvent, QTextCursor
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
 
 class MessageEdit(QPlainTextEdit):
@@ -20,6 +21,7 @@ class MessageEdit(QPlainTextEdit):
 
 class Composer(QWidget):
     send_requested = Signal(str)
+    edit_requested = Signal(int, str)  # a sent message, and its new text
     stop_requested = Signal()
 
     def __init__(self) -> None:
@@ -30,17 +32,44 @@ class Composer(QWidget):
         self.edit.setTabChangesFocus(True)  # Tab leaves the box, as everywhere else
         self.button = QPushButton("Send")
         self.button.setMinimumWidth(80)
-        layout = QHBoxLayout(self)
+        self.banner = QLabel("Editing your message: Enter sends it as a new branch; Esc cancels")
+        self.banner.hide()
+        row = QHBoxLayout()
+        row.addWidget(self.edit)
+        row.addWidget(self.button)
+        layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.edit)
-        layout.addWidget(self.button)
+        layout.addWidget(self.banner)
+        layout.addLayout(row)
         self.generating = False
+        self.editing: int | None = None  # the message being edited
+        self._original = ""  # its text before the edit
+        self._draft = ""  # what was typed before the edit began
         self.edit.submitted.connect(self.send)
         self.button.clicked.connect(self._clicked)
 
     def set_generating(self, generating: bool) -> None:
         self.generating = generating
-        self.button.setText("Stop" if generating else "Send")
+        self.button.setText("Stop" if generating else "Save" if self.editing else "Send")
+
+    def begin_edit(self, message_id: int, text: str) -> None:
+        """Put a sent message here to be rewritten; the draft waits until it is done."""
+        if self.editing is None:
+            self._draft = self.edit.toPlainText()
+        self.editing, self._original = message_id, text
+        self.edit.setPlainText(text)
+        self.edit.moveCursor(QTextCursor.MoveOperation.End)
+        self.edit.setFocus()
+        self.banner.show()
+        self.button.setText("Save")
+
+    def cancel_edit(self) -> None:
+        if self.editing is None:
+            return
+        self.editing = None
+        self.edit.setPlainText(self._draft)
+        self.banner.hide()
+        self.button.setText("Send")
 
     def _clicked(self) -> None:
         if self.generating:
@@ -50,6 +79,13 @@ class Composer(QWidget):
 
     def send(self) -> None:
         text = self.edit.toPlainText().strip()
-        if text and not self.generating:
-            self.edit.clear()
-            self.send_requested.emit(text)
+        if not text or self.generating:
+            return
+        if self.editing is not None:
+            message_id, changed = self.editing, text != self._original.strip()
+            self.cancel_edit()  # the draft comes back
+            if changed:
+                self.edit_requested.emit(message_id, text)
+            return
+        self.edit.clear()
+        self.send_requested.emit(text)

@@ -168,6 +168,7 @@ class MainWindow(QMainWindow):
         self._count_soon.timeout.connect(self.ask_context)
         self.meter.new_chat_requested.connect(self.send_in_new_chat)
         self.composer.send_requested.connect(self.send)
+        self.composer.edit_requested.connect(self.edit_sent)
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
         self.composer.stop_requested.connect(worker.stop, Qt.ConnectionType.DirectConnection)
         self.chat.action.connect(self.on_chat_action)
@@ -298,9 +299,11 @@ class MainWindow(QMainWindow):
         self.continue_requested.emit(message_id)
 
     def edit(self, message_id: int) -> None:
-        text = asking.edited_text(self, self.store.message(message_id).content)
-        if text is None:
-            return
+        """Rewrite a sent message in the composer (it comes back as `edit_sent`)."""
+        self.composer.begin_edit(message_id, self.store.message(message_id).content)
+
+    @Slot(int, str)
+    def edit_sent(self, message_id: int, text: str) -> None:
         ids = [m.id for m in self.chat.messages]
         self.chat.messages = self.chat.messages[: ids.index(message_id)]
         self.chat.append_streaming(RenderedMessage(-1, "user", text))

@@ -46,8 +46,11 @@ def regenerate_last(window: MainWindow) -> None:
 
 
 def stop_reply(window: MainWindow) -> None:
+    """Esc: stop the reply; when none streams, leave an edit (the draft comes back)."""
     if window.generating:
         window.composer.stop_requested.emit()
+    else:
+        window.composer.cancel_edit()
 
 
 def focus_search(window: MainWindow) -> None:
@@ -83,7 +86,7 @@ def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable
             ("Quit", QKeySequence.StandardKey.Quit, window.close),
         ],
         "&Chat": [
-            ("Stop the reply", "Esc", lambda: stop_reply(window)),
+            ("Stop the reply, or leave an edit", "Esc", lambda: stop_reply(window)),
             ("Regenerate the last reply", "Ctrl+R", lambda: regenerate_last(window)),
             ("Copy the last reply", "Ctrl+Shift+C", lambda: copy_last_reply(window)),
             ("Next chat", "Ctrl+PgDown", lambda: step_chat(window, 1)),
