@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 from app import __version__
 from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
+from app.ui import theme
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
 from app.ui.context_meter import ContextMeter
@@ -82,6 +83,7 @@ class MainWindow(QMainWindow):
         self._count_soon = QTimer(self, singleShot=True, interval=COUNT_AFTER_MS)
         self.models = ModelBar()
         self._build_layout()
+        theme.follow(self.chat, self.preferences().theme)
         self.status = TurnStatus(self.statusBar())
         build_menus(self)
 
@@ -107,6 +109,7 @@ class MainWindow(QMainWindow):
     def on_preferences_saved(self, prefs: Preferences) -> None:
         if prefs is self._asked:
             self._asked = None
+        theme.choose(prefs.theme)
 
     # -- layout and wiring -----------------------------------------------------
 
