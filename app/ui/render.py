@@ -42,7 +42,7 @@ class ChatColours:
     muted: str = "#5f6368"  # labels, footers, reasoning: still 4.5:1 on every background
     link: str = "#1a5fb4"
     warning: str = "#a33a3a"  # Stopped, Interrupted, Cut
-    code_style: str = "friendly"  # a Pygments style name
+    code_style: str = "default"  # a Pygments style; every token 4.5:1 on code_bg
 
 
 LIGHT_CHAT = ChatColours()

@@ -117,17 +117,16 @@ def palette(theme: Theme) -> QPalette:
     return result
 
 
-def system_is_dark() -> bool:
-    return QGuiApplication.styleHints().colorScheme() == Qt.ColorScheme.Dark
-
-
-def theme_for(choice: str) -> Theme:
-    """The theme a Theme preference means now; anything unknown is "system"."""
+def theme_for(choice: str, scheme: Qt.ColorScheme | None = None) -> Theme:
+    """The theme a Theme preference means under the system's colour `scheme` (by default
+    the current one); anything unknown is "system"."""
     if choice == "light":
         return LIGHT
     if choice == "dark":
         return DARK
-    return DARK if system_is_dark() else LIGHT
+    if scheme is None:
+        scheme = QGuiApplication.styleHints().colorScheme()
+    return DARK if scheme == Qt.ColorScheme.Dark else LIGHT
 
 
 class ThemeController(QObject):
@@ -145,8 +144,8 @@ class ThemeController(QObject):
         self.choice = choice
         self._apply()
 
-    def _apply(self) -> None:
-        theme = theme_for(self.choice)
+    def _apply(self, scheme: Qt.ColorScheme | None = None) -> None:
+        theme = theme_for(self.choice, scheme)
         if theme is self.current:
             return
         self.current = theme
@@ -154,9 +153,9 @@ class ThemeController(QObject):
         self.changed.emit(theme.chat)
 
     @Slot(Qt.ColorScheme)
-    def _on_scheme_changed(self, _scheme: Qt.ColorScheme) -> None:
+    def _on_scheme_changed(self, scheme: Qt.ColorScheme) -> None:
         if self.choice == "system":
-            self._apply()
+            self._apply(scheme)
 
 
 def controller() -> ThemeController:
