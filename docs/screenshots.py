@@ -4,7 +4,8 @@
 
 The first exchange is seeded into a scratch database: the starter model does not
 write <think> reasoning, so that reply is typed in here to show how reasoning
-blocks look. The follow-up question is answered live by the starter model.
+blocks look. The follow-up question is answered live by the starter model. The main
+window is taken twice: in the light theme and in the dark one (main-window-dark.png).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs")
@@ -95,6 +97,16 @@ def main() -> None:
             return
         window.chat.verticalScrollBar().setValue(0)
         shot("main-window.png")
+        window.ask_to_save(replace(window.preferences(), theme="dark"))
+        QTimer.singleShot(800, dark)
+
+    def dark():
+        window.chat.verticalScrollBar().setValue(0)
+        shot("main-window-dark.png")
+        window.ask_to_save(replace(window.preferences(), theme="system"))
+        QTimer.singleShot(800, preferences)
+
+    def preferences():
         prefs = PreferencesDialog(window.preferences(), window.index.usage()[1], window)
         prefs.show()
         prefs.findChildren(QTabWidget)[0].setCurrentIndex(1)  # Memory
@@ -108,8 +120,6 @@ def main() -> None:
 
     def cut_reply():
         """A reply cut by the length limit: marked, with Continue; the context meter."""
-        from dataclasses import replace
-
         window.save_preferences_requested.emit(replace(window.preferences(), max_tokens=24))
         window.new_chat()
         window.composer.edit.setPlainText("Write a story about a lighthouse keeper.")
@@ -124,8 +134,6 @@ def main() -> None:
         QTimer.singleShot(1500, lambda: (shot("cut-reply.png"), too_long()))
 
     def too_long():
-        from dataclasses import replace
-
         window.save_preferences_requested.emit(replace(window.preferences(), max_context=200))
         window.composer.edit.setPlainText("Summarise this page: " + "lorem ipsum dolor " * 60)
         QTimer.singleShot(1500, lambda: (shot("context-warning.png"), window.close(), qapp.quit()))

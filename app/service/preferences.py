@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 # Every value the Memory preference offers: None keeps the model's precision.
 KV_CHOICES: tuple[int | None, ...] = (None, *PREFERENCE_BITS)
+# The window's colours: "system" follows the desktop's light or dark setting as it changes.
+THEME_CHOICES: tuple[str, ...] = ("system", "light", "dark")
 
 
 class InvalidPreference(UserError):
@@ -46,6 +48,7 @@ class Preferences:
     max_context: int | None = None  # None: the model's own
     cache_budget_bytes: int = 10 * 2**30
     cache_chunk_tokens: int = 256
+    theme: str = "system"
 
     def __post_init__(self) -> None:
         for name, ok, rule in _RULES:
@@ -129,6 +132,7 @@ _RULES = (
     ("max_context", _whole(16, optional=True), "a whole number of at least 16"),
     ("cache_budget_bytes", _whole(0), "a whole number of bytes"),
     ("cache_chunk_tokens", _whole(16, 65_536), "a whole number from 16 to 65536"),
+    ("theme", lambda v: v in THEME_CHOICES, f"one of {', '.join(THEME_CHOICES)}"),
 )
 
 

@@ -57,7 +57,9 @@ def run() -> int:
         return 1
     app = QApplication.instance() or QApplication(sys.argv)
     name_application(app)
-    from app.ui import first_run, smoke
+    from app.ui import first_run, smoke, theme
+
+    theme.controller()  # the system's light or dark from the start, first-run dialog too
     from app.ui.main_window import MainWindow
 
     smoke_folder = Path(os.environ["REPRISE_SMOKE"]) if os.environ.get("REPRISE_SMOKE") else None

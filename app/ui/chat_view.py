@@ -23,10 +23,13 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import QTextBrowser, QToolTip
 
 from app.ui.render import (
+    LIGHT_CHAT,
+    ChatColours,
     RenderedMessage,
     code_blocks,
     conversation_html,
     is_web_url,
+    link_style,
     message_html,
     split_thinking,
 )
@@ -54,6 +57,21 @@ class ChatView(QTextBrowser):
         self._refresh = QTimer(self, singleShot=True, interval=_STREAM_REFRESH_MS)
         self._refresh.timeout.connect(self.redraw_last)
         self._tail_start: int | None = None  # where the last message begins in the document
+        self.colours = LIGHT_CHAT
+        self.document().setDefaultStyleSheet(link_style(self.colours))
+
+    @Slot(object)
+    def set_colours(self, colours: ChatColours) -> None:
+        """Draw the conversation again in a theme's colours: the finished messages are
+        only drawn once per `render`, so a new theme needs a whole render."""
+        if colours == self.colours:
+            return
+        self.colours = colours
+        self.document().setDefaultStyleSheet(link_style(colours))
+        bar = self.verticalScrollBar()
+        position = bar.value()
+        self.render()
+        bar.setValue(position)
 
     def show_messages(self, messages: list[RenderedMessage]) -> None:
         self.messages = messages
@@ -86,9 +104,11 @@ class ChatView(QTextBrowser):
             m.show_thinking = m.id in self._thinking_open
         if not self.messages:
             self._tail_start = None
-            self.setHtml(conversation_html([], self._token))
+            self.setHtml(conversation_html([], self._token, self.colours))
             return
-        self.setHtml("".join(message_html(m, self._token) for m in self.messages[:-1]))
+        self.setHtml(
+            "".join(message_html(m, self._token, self.colours) for m in self.messages[:-1])
+        )
         self._tail_start = self._end() if len(self.messages) > 1 else 0
         self.redraw_last(scroll_to_end)
 
@@ -112,7 +132,7 @@ class ChatView(QTextBrowser):
         cursor.setPosition(self._tail_start)
         cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
         cursor.removeSelectedText()
-        cursor.insertHtml(message_html(last, self._token))
+        cursor.insertHtml(message_html(last, self._token, self.colours))
         cursor.endEditBlock()
         bar.setValue(bar.maximum() if at_end else position)
         # However long a redraw takes (a huge reply), the event loop keeps twice that time

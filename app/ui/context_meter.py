@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QWidget
 
+from app.ui.theme import chat_colours
+
 if TYPE_CHECKING:  # the service (and so the engine) is imported on the worker's thread
     from app.service.chat import ContextUse
 
@@ -61,7 +63,7 @@ class ContextMeter(QWidget):
             self.label.setStyleSheet("")
         else:
             self.label.setText(warning_text(use))
-            self.label.setStyleSheet("color: #b00020")
+            self.label.setStyleSheet(f"color: {chat_colours().warning}")
         alone_fits = use.draft < use.limit
         self.fresh.setVisible(not use.fits and use.conversation_id is not None and alone_fits)
 

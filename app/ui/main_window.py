@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
 from app import __version__
 from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
-from app.ui import asking
+from app.ui import asking, theme
 from app.ui.chat_header import ChatHeader
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
@@ -83,6 +83,7 @@ class MainWindow(QMainWindow):
         self._count_soon = QTimer(self, singleShot=True, interval=COUNT_AFTER_MS)
         self.models = ModelBar()
         self._build_layout()
+        theme.follow(self.chat, self.preferences().theme)
         self.status = TurnStatus(self.statusBar())
         build_menus(self)
 
@@ -109,6 +110,7 @@ class MainWindow(QMainWindow):
         if prefs is self._asked:
             self._asked = None
         self._show_header()  # the default system prompt may have changed
+        theme.choose(prefs.theme)
 
     # -- layout and wiring -----------------------------------------------------
 

@@ -30,7 +30,14 @@ from PySide6.QtWidgets import (
 )
 
 from app.resource_files import resource
-from app.service.preferences import GROUP_SIZES, KV_CHOICES, InvalidPreference, Preferences
+from app.service.preferences import (
+    GROUP_SIZES,
+    KV_CHOICES,
+    THEME_CHOICES,
+    InvalidPreference,
+    Preferences,
+)
+from app.ui.theme import THEME_LABELS, chat_colours
 from sessions import paths
 
 # `reprise bench kv --save resources/kv-bench.json`: the measured trade-offs shown here.
@@ -90,6 +97,7 @@ class PreferencesDialog(QDialog):
         tabs.addTab(self._generation_tab(values), "Generation")
         tabs.addTab(self._memory_tab(values), "Memory")
         tabs.addTab(self._storage_tab(values, cache_usage_bytes), "Storage")
+        tabs.addTab(self._appearance_tab(values), "Appearance")
         buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
         )
@@ -136,7 +144,7 @@ class PreferencesDialog(QDialog):
         self.quantized_kv_start = self._int(0, 1_000_000, values["quantized_kv_start"])
         self.kv_warning = QLabel()
         self.kv_warning.setWordWrap(True)
-        self.kv_warning.setStyleSheet("color: #a60")
+        self.kv_warning.setStyleSheet(f"color: {chat_colours().warning}")
         form.addRow("KV cache quantization", self.kv_bits)
         form.addRow("", self.kv_explanation)
         form.addRow("Group size", self.kv_group_size)
@@ -174,6 +182,20 @@ class PreferencesDialog(QDialog):
             ),
         )
         form.addRow(row)
+        return page
+
+    def _appearance_tab(self, values: dict) -> QWidget:
+        page = QWidget()
+        form = QFormLayout(page)
+        self.theme = QComboBox()
+        for choice in THEME_CHOICES:
+            self.theme.addItem(THEME_LABELS[choice], choice)
+        self.theme.setCurrentIndex(THEME_CHOICES.index(values["theme"]))
+        self.theme.setToolTip(
+            'Light or dark colours for the window and the chat. "Same as the system" '
+            "follows your desktop's setting, also when it changes while Reprise runs."
+        )
+        form.addRow("Theme", self.theme)
         return page
 
     def _explain_kv(self) -> None:
@@ -218,6 +240,7 @@ class PreferencesDialog(QDialog):
             quantized_kv_start=self.quantized_kv_start.value(),
             max_context=self.max_context.value() or None,
             cache_budget_bytes=int(self.budget.value() * GIB),
+            theme=self.theme.currentData(),
         )
 
     def accept(self) -> None:

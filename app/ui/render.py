@@ -28,10 +28,30 @@ from pygments.lexers import TextLexer, get_lexer_by_name
 from pygments.util import ClassNotFound
 
 _THINK = re.compile(r"<think>(.*?)(?:</think>|\Z)", re.S)
-_FORMATTER = HtmlFormatter(noclasses=True, nowrap=True, style="friendly")
 
-USER_BG = "#eef3fb"
-CODE_BG = "#f6f8fa"
+
+@dataclass(frozen=True)
+class ChatColours:
+    """The colours the chat's HTML uses, as CSS values; the defaults are the light theme's
+    (app/ui/theme.py has both). Hashable: rendered Markdown is cached per colour set."""
+
+    text: str = "#1f1f1f"
+    assistant_bg: str = "#ffffff"
+    user_bg: str = "#eef3fb"
+    code_bg: str = "#f6f8fa"
+    muted: str = "#5f6368"  # labels, footers, reasoning: still 4.5:1 on every background
+    link: str = "#1a5fb4"
+    warning: str = "#a33a3a"  # Stopped, Interrupted, Cut
+    code_style: str = "default"  # a Pygments style; every token 4.5:1 on code_bg
+
+
+LIGHT_CHAT = ChatColours()
+
+
+@functools.lru_cache(maxsize=8)
+def _formatter(style: str) -> HtmlFormatter:
+    return HtmlFormatter(noclasses=True, nowrap=True, style=style)
+
 
 # Budgets per message section (reasoning or answer), chosen from measurements on a 2-core
 # CPU (docs/reliability.md): within them setHtml + layout stays well under a second.
@@ -121,13 +141,15 @@ def _render_image(self, tokens, idx, options, env) -> str:
 
 def _render_fence(self, tokens, idx, options, env) -> str:
     token = tokens[idx]
+    colours: ChatColours = env["colours"]
     language = token.info.split()[0] if token.info.strip() else ""
     number = env["blocks"]
     env["blocks"] += 1
     href = action_href(env["token"], "copy-code", env["message_id"], f"{env['section']}.{number}")
     return (
-        f'<table width="100%" cellpadding="6" style="background:{CODE_BG};'
-        f' margin:4px 0"><tr><td><span style="color:#888">{visible_text(language or "code")}'
+        f'<table width="100%" cellpadding="6" style="background:{colours.code_bg};'
+        f' margin:4px 0"><tr><td><span style="color:{colours.muted}">'
+        f"{visible_text(language or 'code')}"
         f'</span> &nbsp; <a href="{href}">Copy</a>'
         # Wrapped: one long line must not widen the whole transcript.
         f'<pre style="margin:2px 0; white-space: pre-wrap">'
@@ -144,7 +166,7 @@ def _highlight(language: str, code: str, env: dict) -> str:
         with contextlib.suppress(ClassNotFound):
             lexer = get_lexer_by_name(language)
             env["highlighted"] += len(code)
-    return highlight(_BIDI_CONTROLS.sub("", code), lexer, _FORMATTER)
+    return highlight(_BIDI_CONTROLS.sub("", code), lexer, _formatter(env["colours"].code_style))
 
 
 def _new_markdown() -> MarkdownIt:
@@ -224,32 +246,38 @@ def _markdown_extent(text: str, env: dict) -> tuple[list, int]:
     return [], 0
 
 
-def _plain_html(text: str) -> str:
+def _plain_html(text: str, colours: ChatColours) -> str:
     end = _within(text, SHOWN_CHARS, SHOWN_LINES)
     note = "The rest is shown as plain text: too long, deep or wide for Markdown."
     parts = [
-        f'<p style="color:#888"><i>{note}</i></p>',
+        f'<p style="color:{colours.muted}"><i>{note}</i></p>',
         f'<pre style="white-space: pre-wrap">{visible_text(text[:end])}</pre>',
     ]
     if end < len(text):
         hidden = len(text) - end
         parts.append(
-            f'<p style="color:#888"><i>{hidden:,} more characters are not shown here; '
+            f'<p style="color:{colours.muted}"><i>{hidden:,} more characters are not shown here; '
             "Copy gets the whole message.</i></p>"
         )
     return "".join(parts)
 
 
 @functools.lru_cache(maxsize=64)
-def markdown_html(text: str, message_id: int, token: str = "", section: str = "answer") -> str:
+def markdown_html(
+    text: str,
+    message_id: int,
+    token: str = "",
+    section: str = "answer",
+    colours: ChatColours = LIGHT_CHAT,
+) -> str:
     """Markdown to HTML, with fenced code highlighted and a copy link per block."""
     text = _normalized(text)
-    env = {"message_id": message_id, "token": token, "section": section}
+    env = {"message_id": message_id, "token": token, "section": section, "colours": colours}
     env |= {"blocks": 0, "highlighted": 0}
     tokens, end = _markdown_extent(text, env)
     rendered = _MARKDOWN.renderer.render(tokens, _MARKDOWN.options, env)
     if end < len(text) and text[end:].strip():
-        rendered += _plain_html(text[end:])
+        rendered += _plain_html(text[end:], colours)
     return rendered
 
 
@@ -262,7 +290,9 @@ def code_blocks(text: str) -> list[str]:
 # -- messages ------------------------------------------------------------------------
 
 
-def message_html(message: RenderedMessage, token: str = "") -> str:
+def message_html(
+    message: RenderedMessage, token: str = "", colours: ChatColours = LIGHT_CHAT
+) -> str:
     def link(verb: str, label: str, message_id: int = message.id) -> str:
         return f'<a href="{action_href(token, verb, message_id)}">{label}</a>'
 
@@ -271,25 +301,25 @@ def message_html(message: RenderedMessage, token: str = "") -> str:
     if thinking is not None:
         # Reasoning with no answer yet (still thinking, or stopped there) is shown open.
         show = message.show_thinking or not answer
-        parts.append(
-            f'<p style="color:#777"><i>Reasoning</i> — {link("think", "Hide" if show else "Show")}'
-            "</p>"
-        )
+        toggle = link("think", "Hide" if show else "Show")
+        parts.append(f'<p style="color:{colours.muted}"><i>Reasoning</i> — {toggle}</p>')
         if show:
             parts.append(
-                f'<div style="color:#777; margin-left:12px">'
-                f"{markdown_html(thinking, message.id, token, 'think')}</div>"
+                f'<div style="color:{colours.muted}; margin-left:12px">'
+                f"{markdown_html(thinking, message.id, token, 'think', colours)}</div>"
             )
     if answer or message.state != "streaming":
-        parts.append(markdown_html(answer, message.id, token, "answer"))
+        parts.append(markdown_html(answer, message.id, token, "answer", colours))
     if message.state == "streaming":
-        parts.append('<p style="color:#999">▍</p>')
+        parts.append(f'<p style="color:{colours.muted}">▍</p>')
     elif message.state == "cancelled":
-        parts.append('<p style="color:#a66"><i>Stopped</i></p>')
+        parts.append(f'<p style="color:{colours.warning}"><i>Stopped</i></p>')
     elif message.state == "interrupted":
-        parts.append('<p style="color:#a66"><i>Interrupted (the app was closed)</i></p>')
+        parts.append(
+            f'<p style="color:{colours.warning}"><i>Interrupted (the app was closed)</i></p>'
+        )
     elif message.cut:
-        parts.append('<p style="color:#a66"><i>Cut at the length limit</i></p>')
+        parts.append(f'<p style="color:{colours.warning}"><i>Cut at the length limit</i></p>')
 
     links = [link("copy-msg", "Copy")]
     if message.role == "user":
@@ -306,21 +336,28 @@ def message_html(message: RenderedMessage, token: str = "") -> str:
             link("branch-next", "&nbsp;Next ▶&nbsp;"),
         )
         links.insert(0, f"{back} {index}/{count} {forward}")
-    footer = f'<p style="color:#888; font-size:small">{" &nbsp; ".join(links)}</p>'
+    footer = f'<p style="color:{colours.muted}; font-size:small">{" &nbsp; ".join(links)}</p>'
 
     who = "You" if message.role == "user" else "Assistant"
-    background = USER_BG if message.role == "user" else "#ffffff"
+    background = colours.user_bg if message.role == "user" else colours.assistant_bg
     return (
         f'<a name="m{message.id}"></a><table width="100%" cellpadding="8" '
-        f'style="background:{background}; margin-bottom:6px"><tr><td>'
+        f'style="background:{background}; color:{colours.text}; margin-bottom:6px"><tr><td>'
         f"<b>{who}</b>{''.join(parts)}{footer}</td></tr></table>"
     )
 
 
-def conversation_html(messages: list[RenderedMessage], token: str = "") -> str:
+def conversation_html(
+    messages: list[RenderedMessage], token: str = "", colours: ChatColours = LIGHT_CHAT
+) -> str:
     if not messages:
         return (
-            '<p style="color:#888; margin-top:40px" align="center">'
+            f'<p style="color:{colours.muted}; margin-top:40px" align="center">'
             "Start a conversation by typing below.</p>"
         )
-    return "".join(message_html(m, token) for m in messages)
+    return "".join(message_html(m, token, colours) for m in messages)
+
+
+def link_style(colours: ChatColours) -> str:
+    """The document's default style sheet: links in the theme's link colour."""
+    return f"a {{ color: {colours.link}; }}"
