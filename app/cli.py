@@ -120,6 +120,12 @@ def _add_bench_commands(commands) -> None:
     reopen.add_argument(
         "--tokens", type=int, nargs="+", default=[1024, 4096], help="history lengths to measure"
     )
+    reopen.add_argument(
+        "--peer", choices=["llama.cpp"], help="also measure llama.cpp (needs llama-cpp-python)"
+    )
+    reopen.add_argument(
+        "--peer-gguf", type=Path, help="the GGUF the peer reads (default: $REPRISE_STARTER_GGUF)"
+    )
     reopen.add_argument("--json", action="store_true")
     kv = bench_commands.add_parser("kv", help="KV-cache quantization: quality, memory, speed")
     kv.add_argument("--model", help="model name or folder (default: the starter model)")

@@ -193,3 +193,15 @@ def test_bench_reopen_measures_each_size_and_skips_one_past_the_context(tiny_mod
     assert row["ttft_prefetched_s"] > 0 and row["ttft_in_memory_s"] > 0
     assert result["skipped"] == ["99999 tokens: beyond the model's context (2048)"]
     assert "skipped: 99999 tokens" in done.stderr
+
+
+def test_bench_reopen_peer_without_what_it_needs_says_what_to_do(tiny_model_dir, tmp_path):
+    """llama-cpp-python is a bench extra: without it, or without a GGUF to read, the peer
+    is a message naming what is missing, before anything is measured."""
+    done = reprise(
+        "bench", "reopen", "--model", str(tiny_model_dir), "--tokens", "80",
+        "--peer", "llama.cpp", "--peer-gguf", str(tmp_path / "missing.gguf"),
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("reprise: --peer llama.cpp ")
+    assert "pip install llama-cpp-python" in done.stderr or "--peer-gguf PATH" in done.stderr

@@ -21,11 +21,15 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+from app.bench import llama_cpp_peer
 from app.engine import loading, models
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
+from app.engine.errors import UserError
 from app.engine.generation import SamplingSettings
 from app.resource_files import resource
 from sessions import paths
@@ -56,7 +60,10 @@ def run_turn(engine, conversation_id, text) -> tuple[ReplyFinished, CacheSaved]:
     return events[-2], events[-1]
 
 
-def measure(loaded: loading.LoadedModel, target: int) -> dict:
+Peer = Callable[[list[int], list[int]], dict]  # (history, new tokens) -> its figures
+
+
+def measure(loaded: loading.LoadedModel, target: int, peer: Peer | None = None) -> dict:
     db = open_db()
     builder = ConversationEngine(db, loaded)
     conversation = builder.store.create(loaded.name)
@@ -82,6 +89,8 @@ def measure(loaded: loading.LoadedModel, target: int) -> dict:
 
     new_tokens = restored.stats.prompt_tokens + 1 - info.tokens
     kv_bytes_per_token = cache_bytes / len(entry.tokens)
+    reopened_prompt = reopened.session.tokens[: restored.stats.prompt_tokens]
+    peer_row = peer(reopened_prompt[: info.tokens], reopened_prompt[info.tokens :]) if peer else {}
     prefetched = measure_prefetch(loaded, reopened, conversation.id)
     return {
         "history_tokens": len(entry.tokens),
@@ -96,6 +105,7 @@ def measure(loaded: loading.LoadedModel, target: int) -> dict:
         "turn_bytes_written": saved.report.bytes_written,
         "written_vs_new_kv_bytes": saved.report.bytes_written / (new_tokens * kv_bytes_per_token),
         **prefetched,
+        **peer_row,
     }
 
 
@@ -123,6 +133,7 @@ def main(args: argparse.Namespace) -> int:
     model_dir = models.resolve(args.model, paths.models_dir())
     loaded = loading.load(model_dir)
     rows, skipped = [], []
+    peer = _peer(args)
     if not args.json:
         print(f"model: {model_dir.name}   engine path: {loaded.compute.describe()}")
         print(HEADER, flush=True)
@@ -135,13 +146,29 @@ def main(args: argparse.Namespace) -> int:
                 skipped.append(note)
                 print(f"skipped: {note}", file=sys.stderr, flush=True)
                 continue
-            rows.append(measure(loaded, target))
+            rows.append(measure(loaded, target, peer and partial(peer, scratch=Path(scratch))))
             if not args.json:
                 print(row_text(rows[-1]), flush=True)  # each size as soon as it is measured
     if args.json:
         result = {"model": model_dir.name, "compute": loaded.compute.describe(), "rows": rows}
         print(json.dumps({**result, "skipped": skipped}, indent=2))
     return 0
+
+
+def _peer(args: argparse.Namespace):
+    """The llama.cpp measurement for `--peer llama.cpp`, or None."""
+    if args.peer is None:
+        return None
+    if not llama_cpp_peer.available():
+        raise UserError("--peer llama.cpp needs llama-cpp-python: pip install llama-cpp-python")
+    gguf = args.peer_gguf or os.environ.get("REPRISE_STARTER_GGUF")
+    if not gguf or not Path(gguf).is_file():
+        raise UserError("--peer llama.cpp reads a GGUF: give it with --peer-gguf PATH")
+
+    def run(history: list[int], new: list[int], scratch: Path) -> dict:
+        return llama_cpp_peer.measure(Path(gguf), history, new, scratch, os.cpu_count() or 1)
+
+    return run
 
 
 # A history is built up to the target, then two more short turns are asked.
@@ -154,9 +181,10 @@ HEADER = (
 
 
 def row_text(r: dict) -> str:
+    peer = f"   llama.cpp TTFT {r['llama_cpp_ttft_s']:.3f}s" if "llama_cpp_ttft_s" in r else ""
     return (
         f"{r['history_tokens']:8} {r['cache_bytes'] / 1e6:9.1f} {r['ttft_restore_s']:12.3f}s "
         f"{r['ttft_recompute_s']:14.3f}s {r['reopen_speedup']:7.1f}x "
         f"{r['restore_vs_raw_read']:16.2f}x {r['written_vs_new_kv_bytes']:14.2f}x "
-        f"{r['ttft_prefetched_s']:15.3f}s {r['ttft_in_memory_s']:14.3f}s"
+        f"{r['ttft_prefetched_s']:15.3f}s {r['ttft_in_memory_s']:14.3f}s{peer}"
     )
