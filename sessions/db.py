@@ -104,13 +104,19 @@ def m003_measurements(db: sqlite_utils.Database) -> None:
 
 
 def open_db(
-    path: Path | None = None, busy_timeout_s: float = BUSY_TIMEOUT_S, read_only: bool = False
+    path: Path | None = None,
+    busy_timeout_s: float = BUSY_TIMEOUT_S,
+    read_only: bool = False,
+    handed_over: bool = False,
 ) -> sqlite_utils.Database:
     """Open (creating or upgrading) the database; refuse one from a newer Reprise, and
     one that cannot be used, with a `UserError` that says what to do.
 
     `read_only` is the window's connection: once the schema is current, SQLite
-    refuses every write on it (`query_only`), so the window can only read."""
+    refuses every write on it (`query_only`), so the window can only read.
+
+    `handed_over`: the connection may be used on another thread than this one, one
+    thread at a time (the terminal's prefetch runs on a thread the first turn joins)."""
     if path is None:
         with storage_errors():
             path = paths.data_dir() / DB_NAME
@@ -118,7 +124,7 @@ def open_db(
         raise StorageError(f"{path} is a folder where the database should be; move it aside.")
     conn = None
     try:
-        conn = sqlite3.connect(str(path), timeout=busy_timeout_s)
+        conn = sqlite3.connect(str(path), timeout=busy_timeout_s, check_same_thread=not handed_over)
         conn.text_factory = _text
         db = _prepare(sqlite_utils.Database(conn), path)
         if read_only:

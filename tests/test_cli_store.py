@@ -119,3 +119,19 @@ def test_system_on_a_stored_chat_becomes_its_own_prompt(tiny_model_dir):
     assert reprise(*args, "--conversation", conversation, "and again").returncode == 0
     exported = reprise("conversations", "export", conversation, "--format", "json")
     assert json.loads(exported.stdout)["system_prompt"] == "Be terse."
+
+
+def test_a_stored_chat_restores_while_the_first_line_is_read(tiny_model_dir):
+    """`reprise chat --conversation ID` starts restoring before it reads a line, so the
+    first turn finds the cache already in memory."""
+    args = ("chat", "--model", str(tiny_model_dir), "--temp", "0", "--max-tokens", "3")
+    made = reprise(*args, "--conversation", "new", "--json", "hello there")
+    record = json.loads(made.stdout)
+    done = subprocess.run(
+        [REPRISE, *args, "--conversation", str(record["conversation_id"]), "--json"],
+        input="and then?\n", capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    turn = json.loads(done.stdout)
+    assert turn["restore_source"] == "memory"
+    assert turn["restored_tokens"] == record["prompt_tokens"] + record["generated_tokens"]

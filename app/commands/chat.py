@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -29,6 +31,7 @@ from sessions.db import is_row_id, open_db
 from sessions.errors import UserError
 
 Turn = Callable[[str, Callable[[], bool]], Iterator]
+log = logging.getLogger(__name__)
 
 
 class StopFlag:
@@ -148,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         checked_message(args.message)
     if args.system is not None:
         checked_text(args.system, "--system")
-    service = ChatService(open_db())
+    service = ChatService(open_db(handed_over=True))
     prefs = preferences_from_args(service.preferences(), args)
     if args.conversation is None:
         return _in_memory(service, prefs, args)
@@ -164,10 +167,29 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"Conversation {conversation.id}", file=sys.stderr)
 
+    # Restore the saved cache while the first line is typed; the first turn waits for it.
+    prefetch = None
+    if args.message is None and args.conversation != "new":
+        prefetch = threading.Thread(
+            target=_prefetch, args=(service, conversation.id, prefs), daemon=True
+        )
+        prefetch.start()
+
     def stored_turn(text: str, should_stop: Callable[[], bool]) -> Iterator:
+        if prefetch is not None:
+            prefetch.join()  # one thread at a time on the service's connection
         return service.send(conversation.id, text, prefs, should_stop)
 
     return loop(stored_turn, args.message, args.json, engine.loaded.name)
+
+
+def _prefetch(service: ChatService, conversation_id: int, prefs: Preferences) -> None:
+    """What fails here is only an early start: the first turn restores (or recomputes)
+    as it would have, and says why."""
+    try:
+        service.prefetch(conversation_id, prefs)
+    except Exception:
+        log.warning("the saved cache could not be restored ahead", exc_info=True)
 
 
 def _in_memory(service: ChatService, prefs: Preferences, args: argparse.Namespace) -> int:
