@@ -116,6 +116,8 @@ def test_regenerate_and_edit_make_branches(qtbot, open_window, monkeypatch):
     first_reply = window.chat.messages[-1].id
     prefer(window, temperature=1.0)
     window.on_chat_action("regenerate", 0)
+    # While the new reply streams, the question shows once (the old reply's place redrawn).
+    assert window.chat.toPlainText().count("Name a colour.") == 1
     wait_reply(qtbot, window)
     assert window.chat.messages[-1].branch == (2, 2)
     assert "2/2" in window.chat.toPlainText()
@@ -130,6 +132,8 @@ def test_regenerate_and_edit_make_branches(qtbot, open_window, monkeypatch):
     assert window.composer.banner.isVisibleTo(window) and window.composer.button.text() == "Save"
     window.composer.edit.setPlainText("Name a fruit.")
     window.composer.edit.submitted.emit()  # what Enter does
+    streaming = window.chat.toPlainText()
+    assert "Name a colour." not in streaming and streaming.count("Name a fruit.") == 1
     wait_reply(qtbot, window)
     assert window.chat.messages[0].content == "Name a fruit."
     assert window.chat.messages[0].branch == (2, 2)

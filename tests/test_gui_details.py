@@ -58,3 +58,12 @@ def test_the_two_cache_sizes_say_which_is_which(qtbot, open_window):  # noqa: F8
     item = lambda: window.sidebar.list.item(0).text()  # noqa: E731
     qtbot.waitUntil(lambda: "saved " in item() and " MB" in item(), timeout=60_000)
     assert "cache" not in item()
+
+
+def test_a_line_end_in_a_reply_is_a_line_end_on_screen(qtbot):
+    """A poem or an address keeps its lines (CommonMark would join them)."""
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.show_messages([RenderedMessage(1, "assistant", "Roses are red,\nViolets are blue.")])
+    lines = view.toPlainText().replace("\u2028", "\n").splitlines()
+    assert "Roses are red," in lines and "Violets are blue." in lines

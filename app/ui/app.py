@@ -39,7 +39,7 @@ def app_icon() -> QIcon:
 
 def name_application(app: QApplication) -> None:
     app.setApplicationName(APPLICATION_NAME)
-    app.setApplicationDisplayName(APPLICATION_NAME)
+    # No display name: Qt would append it to every title ("Reprise 0.1.0 — Reprise").
     app.setOrganizationName(ORGANIZATION_NAME)
     app.setOrganizationDomain(ORGANIZATION_DOMAIN)
     app.setApplicationVersion(__version__)

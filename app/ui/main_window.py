@@ -286,7 +286,7 @@ class MainWindow(QMainWindow):
 
     def regenerate(self) -> None:
         if self.chat.messages and self.chat.messages[-1].role == "assistant":
-            self.chat.messages.pop()
+            self.chat.show_messages(self.chat.messages[:-1])  # drawn again, without it
         self._start_turn()
         self.regenerate_requested.emit(self.conversation_id)
 
@@ -307,7 +307,7 @@ class MainWindow(QMainWindow):
     @Slot(int, str)
     def edit_sent(self, message_id: int, text: str) -> None:
         ids = [m.id for m in self.chat.messages]
-        self.chat.messages = self.chat.messages[: ids.index(message_id)]
+        self.chat.show_messages(self.chat.messages[: ids.index(message_id)])
         self.chat.append_streaming(RenderedMessage(-1, "user", text))
         self._start_turn()
         self.edit_requested.emit(message_id, text)

@@ -172,9 +172,10 @@ def _highlight(language: str, code: str, env: dict) -> str:
 def _new_markdown() -> MarkdownIt:
     # A nesting limit above MARKDOWN_LEVEL: markdown-it drops blocks nested past its limit,
     # so the text is cut to plain before it could get there (see _markdown_extent).
-    md = MarkdownIt(
-        "commonmark", {"html": False, "xhtmlOut": False, "maxNesting": MARKDOWN_LEVEL + 8}
-    )
+    # `breaks`: a line end in a reply is a line end on screen (poems, addresses, short
+    # lines), as in a chat; CommonMark would join the lines into one paragraph.
+    options = {"html": False, "xhtmlOut": False, "breaks": True, "maxNesting": MARKDOWN_LEVEL + 8}
+    md = MarkdownIt("commonmark", options)
     md.enable(["table", "strikethrough"])
     md.validateLink = is_web_url
     for name, rule in {
