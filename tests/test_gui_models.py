@@ -63,3 +63,22 @@ def test_import_gguf_through_the_dialog(qtbot, dialog, tmp_path):
     dialog.start_import(str(gguf), "imported-tiny")
     qtbot.waitUntil(lambda: dialog.message.text() == "Added imported-tiny", timeout=60_000)
     assert names() == ["imported-tiny"]
+
+
+def test_the_model_in_use_is_marked_and_not_deleted(qtbot, tiny_model_dir, monkeypatch):
+    """Deleting the loaded model would leave the window 'Ready' with nothing to run."""
+    from PySide6.QtWidgets import QMessageBox
+
+    shutil.copytree(tiny_model_dir, paths.models_dir() / "tiny")
+    engine = WorkerThread()
+    dialog = ModelsDialog(engine.worker, in_use="tiny")
+    qtbot.addWidget(dialog)
+    asked = []
+    monkeypatch.setattr(QMessageBox, "question", lambda *a: asked.append(a))
+    item = dialog.table.topLevelItem(0)
+    assert item.text(0) == "tiny (in use)"
+    dialog.table.setCurrentItem(item)
+    dialog.delete_selected()
+    assert "tiny" in names() and asked == []
+    assert dialog.message.text().startswith("tiny is the model in use")
+    engine.shutdown()

@@ -68,7 +68,8 @@ def open_preferences(window: MainWindow) -> None:
 def open_models(window: MainWindow) -> None:
     from app.ui.models_dialog import ModelsDialog
 
-    ModelsDialog(window.engine.worker, window).exec()
+    in_use = window.models.current() if window.models.ready else ""
+    ModelsDialog(window.engine.worker, window, in_use).exec()
     window.refresh_models()
 
 

@@ -27,8 +27,9 @@ class ModelsDialog(QDialog):
     import_requested = Signal(str, str)  # path, name
     download_requested = Signal(str)  # repo id
 
-    def __init__(self, worker, parent=None) -> None:
+    def __init__(self, worker, parent=None, in_use: str = "") -> None:
         super().__init__(parent)
+        self.in_use = in_use  # the model the window has loaded: not deleted from here
         self.setWindowTitle("Models")
         self.resize(640, 380)
         self.table = QTreeWidget()
@@ -58,6 +59,9 @@ class ModelsDialog(QDialog):
         import_button.clicked.connect(self.choose_gguf)
         delete_button.clicked.connect(self.delete_selected)
         close_button.clicked.connect(self.accept)
+        for button in (import_button, download_button, delete_button):
+            button.setAutoDefault(False)  # Enter closes; it does not open a file picker
+        close_button.setDefault(True)
         download_button.clicked.connect(self.ask_repo)
         # Direct: the worker thread is busy downloading; this only sets its stop flag.
         self.cancel_button.clicked.connect(worker.stop, Qt.ConnectionType.DirectConnection)
@@ -71,17 +75,11 @@ class ModelsDialog(QDialog):
     def refresh(self) -> None:
         self.table.clear()
         for m in models.list_models(paths.models_dir()):
-            self.table.addTopLevelItem(
-                QTreeWidgetItem(
-                    [
-                        m.name,
-                        f"{m.size_bytes / 1e6:.0f} MB",
-                        m.architecture,
-                        m.quantization,
-                        m.source,
-                    ]
-                )
-            )
+            shown = f"{m.name} (in use)" if m.name == self.in_use else m.name
+            size = f"{m.size_bytes / 1e6:.0f} MB"
+            item = QTreeWidgetItem([shown, size, m.architecture, m.quantization, m.source])
+            item.setData(0, Qt.ItemDataRole.UserRole, m.name)
+            self.table.addTopLevelItem(item)
         self.table.resizeColumnToContents(0)
 
     def choose_gguf(self) -> None:
@@ -138,7 +136,12 @@ class ModelsDialog(QDialog):
         item = self.table.currentItem()
         if item is None:
             return
-        name = item.text(0)
+        name = item.data(0, Qt.ItemDataRole.UserRole)
+        if name == self.in_use:
+            self.message.setText(
+                f"{name} is the model in use: choose another in the toolbar, then delete it."
+            )
+            return
         answer = QMessageBox.question(self, "Delete model", f"Delete {name} from disk?")
         if answer == QMessageBox.StandardButton.Yes:
             models.delete(name, paths.models_dir())
