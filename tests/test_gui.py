@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from PySide6.QtCore import QByteArray, QMimeData, Qt, QTimer
 from PySide6.QtWidgets import (
-    QInputDialog,
+    QApplication,
     QLabel,
     QListWidget,
     QMessageBox,
@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.service.preferences import Preferences
+from app.ui.asking import PromptDialog
 from app.ui.chat_view import ChatView
 from app.ui.main_window import MainWindow
 from app.ui.preferences import KV_FIGURES, PreferencesDialog, kv_tradeoffs
@@ -390,14 +391,21 @@ def test_pasted_bytes_that_are_not_utf8_are_sent_and_stored_as_replacement_marks
     assert stored[1].role == "assistant" and stored[1].state == "complete"
 
 
-def test_a_chat_gets_its_own_system_prompt_from_the_header(qtbot, open_window, monkeypatch):
+def test_a_chat_gets_its_own_system_prompt_from_the_header(qtbot, open_window):
     window = open_window()
     prefer(window, system_prompt="You are helpful.")
     qtbot.waitUntil(lambda: "(default)" in window.header.label.text(), timeout=5_000)
     assert not window.header.edit.isEnabled()  # a chat not started yet has no own prompt
     send(qtbot, window, "Hi", greedy_tokens=4)
     assert window.header.edit.isEnabled()
-    monkeypatch.setattr(QInputDialog, "getMultiLineText", lambda *args: ("Answer in French.", True))
+
+    def type_and_press_ok() -> None:  # as a user does: type, Tab to OK, Enter
+        dialog = next(w for w in QApplication.topLevelWidgets() if isinstance(w, PromptDialog))
+        qtbot.keyClicks(dialog.text, "Answer in French.")
+        qtbot.keyClick(dialog.text, Qt.Key.Key_Tab)
+        qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_Return)
+
+    QTimer.singleShot(100, type_and_press_ok)
     window.header.edit.click()
     qtbot.waitUntil(lambda: "(this chat)" in window.header.label.text(), timeout=5_000)
     assert "Answer in French." in window.header.label.text()

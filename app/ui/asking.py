@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox, QWidget
+from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QDialog,
+    QDialogButtonBox,
+    QFileDialog,
+    QInputDialog,
+    QLabel,
+    QMessageBox,
+    QPlainTextEdit,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.ui.reading import export_name
 
@@ -30,10 +41,38 @@ def export_path(parent: QWidget, title: str, fmt: str) -> str | None:
     return name or None
 
 
+class PromptDialog(QDialog):
+    """A chat's own system prompt: Enter starts a new line, Tab moves on to OK,
+    Ctrl+Enter saves from anywhere."""
+
+    def __init__(self, parent: QWidget | None, current: str, default: str) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("System prompt")
+        said = f": “{default}”" if default else ""
+        label = QLabel(f"This chat's system prompt (empty: the default from Preferences{said})")
+        label.setWordWrap(True)
+        self.text = QPlainTextEdit(current)
+        self.text.setTabChangesFocus(True)
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+        )
+        buttons.button(QDialogButtonBox.StandardButton.Ok).setDefault(True)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        for keys in ("Ctrl+Return", "Ctrl+Enter"):
+            QShortcut(QKeySequence(keys), self, activated=self.accept)
+        layout = QVBoxLayout(self)
+        layout.addWidget(label)
+        layout.addWidget(self.text)
+        layout.addWidget(buttons)
+        self.resize(520, 240)
+
+
 def system_prompt(parent: QWidget, current: str, default: str) -> str | None:
     """This chat's own system prompt as the user set it ("" for the default); None when
     cancelled or unchanged."""
-    label = "This chat's system prompt (empty: the default from Preferences"
-    label += f": “{default}”)" if default else ")"
-    text, ok = QInputDialog.getMultiLineText(parent, "System prompt", label, current)
-    return text.strip() if ok and text.strip() != current else None
+    dialog = PromptDialog(parent, current, default)
+    if not dialog.exec():
+        return None
+    text = dialog.text.toPlainText().strip()
+    return text if text != current else None
