@@ -33,9 +33,14 @@ def _context(gguf: Path, n_ctx: int, threads: int):
 
 
 def _first_token(llm, tokens: Sequence[int]) -> int:
-    """Read `tokens` after what the context holds; the greedy next token."""
+    """Read `tokens` after what the context holds; the greedy next token (from the last
+    row of logits llama.cpp keeps: llama-cpp-python's own `scores` holds one batch)."""
+    import llama_cpp
+    import numpy as np
+
     llm.eval(list(tokens))
-    return int(llm.scores[llm.n_tokens - 1].argmax())
+    logits = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return int(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),)).argmax())
 
 
 def measure(
