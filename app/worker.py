@@ -28,6 +28,10 @@ if TYPE_CHECKING:  # imported on the worker's thread, once the window is on scre
 log = logging.getLogger(__name__)
 
 NEW_CONVERSATION = 0  # `send` to this id starts a conversation
+NO_MODELS = (
+    "There is no model yet. Add one with File → Models… (Ctrl+Shift+M): "
+    "Import GGUF… for a .gguf file, or Download from Hugging Face…"
+)
 
 
 class EngineWorker(QObject):
@@ -95,7 +99,12 @@ class EngineWorker(QObject):
         """Not "busy": a message sent meanwhile is queued and answered once loaded."""
 
         def load() -> None:
-            engine = self.service().load_model(name or None)
+            from app.engine.models import NoModels
+
+            try:
+                engine = self.service().load_model(name or None)
+            except NoModels:
+                raise UserError(NO_MODELS) from None
             self.model_loaded.emit(engine.loaded.name, engine.loaded.compute.describe())
 
         self._attempt("Loading the model", load)

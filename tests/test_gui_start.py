@@ -60,3 +60,19 @@ def test_a_message_typed_while_the_model_loads_is_answered(qtbot, library):  # n
     assert [m.role for m in window.chat.messages] == ["user", "assistant"]
     assert window.chat.messages[-1].content
     window.close()
+
+
+def test_with_no_model_the_window_says_where_to_add_one(qtbot, monkeypatch):
+    """An empty library: the message names the window's own way (File → Models…), not a
+    terminal command, and the toolbar says there is no model."""
+    from PySide6.QtWidgets import QMessageBox
+
+    warned = []
+    monkeypatch.setattr(QMessageBox, "warning", lambda parent, title, text: warned.append(text))
+    window = MainWindow()
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitUntil(lambda: bool(warned), timeout=READY_MS)
+    assert "File → Models…" in warned[0] and "reprise models" not in warned[0]
+    assert window.models.state.text() == "No model loaded"
+    window.close()

@@ -19,6 +19,10 @@ class ModelNotFound(UserError):
     pass
 
 
+class NoModels(ModelNotFound):
+    """The library is empty (the terminal and the window say what to do differently)."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
@@ -75,7 +79,7 @@ def resolve(name_or_path: str | None, models_dir: Path) -> Path:
     if name_or_path is None:
         models = list_models(models_dir)
         if not models:
-            raise ModelNotFound(
+            raise NoModels(
                 f"No models in {models_dir}. Import one with "
                 "`reprise models import-gguf FILE`, or run `make run` for the starter model."
             )

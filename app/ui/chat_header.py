@@ -18,7 +18,7 @@ def header_text(model: str, own_prompt: str | None, default_prompt: str) -> str:
         prompt = f"System prompt (default): “{_preview(default_prompt)}”"
     else:
         prompt = "No system prompt"
-    return f"{model} · {prompt}"
+    return f"{model} · {prompt}" if model else prompt
 
 
 def _preview(text: str) -> str:
