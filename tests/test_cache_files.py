@@ -473,3 +473,15 @@ def test_a_16_bit_model_computed_in_float32_is_saved_in_16_bits(tiny_model, save
     first = live.cache[0].keys[..., :CHUNK, :]
     restored = result.cache[0].keys[..., :CHUNK, :]
     assert mx.allclose(restored, first.astype(mx.float16).astype(mx.float32), atol=1e-3).item()
+
+
+def test_a_regenerate_from_memory_reports_the_tokens_it_keeps(tiny_model, saved_conversation):
+    """The status bar's "Continuing: N tokens already in memory" is what the turn reuses,
+    not the whole cache: a regenerate cuts the old reply off."""
+    engine = new_engine(tiny_model)
+    turn(engine, saved_conversation, "one more question")
+    held = len(engine.session.tokens)
+    events = list(engine.regenerate(saved_conversation, OPTIONS))
+    finished = next(e for e in events if isinstance(e, ReplyFinished))
+    assert finished.restore.source == "memory"
+    assert finished.restore.tokens == finished.stats.reused_tokens < held

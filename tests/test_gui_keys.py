@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QInputDialog
 from test_gui import READY_MS, library, open_window, prefer, send, wait_reply  # noqa: F401
 
 from app import __version__
@@ -84,6 +85,18 @@ def test_the_help_menu_lists_the_shortcuts_and_the_version(qtbot, open_window): 
         assert line in listed
     assert f"Reprise {__version__}" in about_text()
     assert window.windowTitle() == f"Reprise {__version__}"
+
+
+def test_f2_renames_the_chat_on_screen_without_the_mouse(qtbot, open_window, monkeypatch):  # noqa: F811
+    window = active(qtbot, open_window())
+    send(qtbot, window, "Hello", greedy_tokens=3)
+    monkeypatch.setattr(QInputDialog, "getText", lambda *args, **kw: ("Greetings", True))
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_F2)
+    qtbot.waitUntil(
+        lambda: window.store.get(window.conversation_id).title == "Greetings", timeout=5_000
+    )
+    assert "F2\tRename this chat" in shortcut_list(window)
+    assert "Ctrl+Shift+D\tDelete this chat" in shortcut_list(window)
 
 
 def test_escape_stops_a_reply_wherever_focus_is(qtbot, open_window):  # noqa: F811

@@ -285,8 +285,10 @@ class ConversationEngine:
         """Leave in `session` the best cache for this turn, and say where it came from."""
         if self._holds(conversation_id):
             held = self.session.tokens
-            if reusable_prefix(held, prompt) == len(held) or can_trim(self.session.cache):
-                return RestoreInfo(source="memory", tokens=len(held))
+            usable = reusable_prefix(held, prompt)
+            if usable == len(held) or can_trim(self.session.cache):
+                # What this turn keeps: a regenerate or an edit cuts the cache back.
+                return RestoreInfo(source="memory", tokens=usable)
             # An edit or a regenerate before the end of a cache that cannot be cut
             # back: resume from the checkpoint on disk before the change.
             entry = self.index.conversation(conversation_id)

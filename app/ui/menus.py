@@ -58,6 +58,12 @@ def focus_search(window: MainWindow) -> None:
     window.sidebar.search.selectAll()
 
 
+def on_this_chat(window: MainWindow, action: Callable[[int], None]) -> None:
+    """What the sidebar's right-click menu does, for the chat on screen (none: nothing)."""
+    if window.conversation_id is not None and not window.generating:
+        action(window.conversation_id)
+
+
 def open_preferences(window: MainWindow) -> None:
     dialog = PreferencesDialog(window.preferences(), window.index.usage()[1], window)
     dialog.clear_caches_requested.connect(window.clear_caches_requested)
@@ -75,6 +81,7 @@ def open_models(window: MainWindow) -> None:
 
 def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable[[], None]]]]:
     """Each menu's entries: (label, keys, what it does)."""
+    export_markdown = partial(window.export, fmt="markdown")
     return {
         "&File": [
             ("New chat", QKeySequence.StandardKey.New, window.new_chat),
@@ -94,6 +101,9 @@ def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable
             ("Previous chat", "Ctrl+PgUp", lambda: step_chat(window, -1)),
             ("Find in chats", QKeySequence.StandardKey.Find, lambda: focus_search(window)),
             ("Write a message", "Ctrl+L", window.composer.edit.setFocus),
+            ("Rename this chat…", "F2", lambda: on_this_chat(window, window.rename)),
+            ("Export this chat…", "Ctrl+E", lambda: on_this_chat(window, export_markdown)),
+            ("Delete this chat…", "Ctrl+Shift+D", lambda: on_this_chat(window, window.delete)),
         ],
     }
 
