@@ -67,3 +67,16 @@ def test_a_line_end_in_a_reply_is_a_line_end_on_screen(qtbot):
     view.show_messages([RenderedMessage(1, "assistant", "Roses are red,\nViolets are blue.")])
     lines = view.toPlainText().replace("\u2028", "\n").splitlines()
     assert "Roses are red," in lines and "Violets are blue." in lines
+
+
+def test_a_message_longer_than_the_context_is_not_offered_a_new_chat(qtbot):
+    from app.service.chat import ContextUse
+    from app.ui.context_meter import ContextMeter
+
+    meter = ContextMeter()
+    qtbot.addWidget(meter)
+    meter.show_use(ContextUse(3, "x", conversation=500, draft=9000, limit=8192))
+    assert "the message alone is 9,000 tokens" in meter.label.text()
+    assert "new chat" not in meter.label.text() and not meter.fresh.isVisibleTo(meter)
+    meter.show_use(ContextUse(3, "x", conversation=8000, draft=300, limit=8192))
+    assert meter.label.text().endswith("or send it in a new chat.")

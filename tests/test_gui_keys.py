@@ -147,3 +147,11 @@ def test_keyboard_only_regenerates_through_the_reply_s_link(qtbot, open_window):
         qtbot.keyClick(window.chat, Qt.Key.Key_Return)
     wait_reply(qtbot, window)
     assert window.chat.messages[-1].branch == (2, 2)
+
+
+def test_escape_in_the_search_box_clears_the_search(qtbot, open_window):  # noqa: F811
+    window = active(qtbot, open_window())
+    window.sidebar.search.setFocus()
+    qtbot.keyClicks(window.sidebar.search, "lighthouse")
+    qtbot.keyClick(window.sidebar.search, Qt.Key.Key_Escape)
+    assert window.sidebar.search.text() == ""

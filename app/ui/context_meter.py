@@ -20,6 +20,11 @@ def meter_text(use: ContextUse) -> str:
 
 
 def warning_text(use: ContextUse) -> str:
+    if use.draft >= use.limit:  # no new chat can hold it either
+        return (
+            f"Too long to send: the message alone is {use.draft:,} tokens and the model "
+            f"reads {use.limit:,}. Shorten it, or send it in parts."
+        )
     total = use.conversation + use.draft
     way = "send it in a new chat" if use.conversation_id is not None else "split it"
     return (

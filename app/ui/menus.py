@@ -46,9 +46,13 @@ def regenerate_last(window: MainWindow) -> None:
 
 
 def stop_reply(window: MainWindow) -> None:
-    """Esc: stop the reply; when none streams, leave an edit (the draft comes back)."""
+    """Esc: stop the reply; when none streams, clear a search being typed, or leave an
+    edit (the draft comes back)."""
+    search = window.sidebar.search
     if window.generating:
         window.composer.stop_requested.emit()
+    elif search.hasFocus() and search.text():
+        search.clear()
     else:
         window.composer.cancel_edit()
 
