@@ -292,9 +292,7 @@ class ConversationEngine:
             # An edit or a regenerate before the end of a cache that cannot be cut
             # back: resume from the checkpoint on disk before the change.
             entry = self.index.conversation(conversation_id)
-        self.session.reset()
-        self._in_memory = conversation_id
-        refused = self._refusal(entry, kv)
+        refused = self._drop_and_check(conversation_id, entry, kv)
         if refused is not None:
             return refused
         usable = reusable_prefix(entry.tokens, prompt)
@@ -311,15 +309,18 @@ class ConversationEngine:
         if self._holds(conversation_id):
             return RestoreInfo(source="memory", tokens=len(self.session.tokens))
         entry = self.index.conversation(conversation_id)
-        self.session.reset()
-        self._in_memory = conversation_id
-        refused = self._refusal(entry, kv)
+        refused = self._drop_and_check(conversation_id, entry, kv)
         if refused is not None:
             return refused
         return self._restore(entry, len(entry.tokens), (None, None))
 
-    def _refusal(self, entry: ConversationCache | None, kv: KVSettings) -> RestoreInfo | None:
-        """Why this saved cache cannot serve a turn with `kv`, if it cannot."""
+    def _drop_and_check(
+        self, conversation_id: int, entry: ConversationCache | None, kv: KVSettings
+    ) -> RestoreInfo | None:
+        """Let go of the cache in memory (`conversation_id` is the one coming); then why
+        its saved cache cannot serve a turn with `kv`, if it cannot."""
+        self.session.reset()
+        self._in_memory = conversation_id
         if entry is None:
             return RestoreInfo(rejected="no saved cache")
         if entry.kv_format != SNAPSHOT and not usable_format(
