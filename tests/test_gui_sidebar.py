@@ -6,7 +6,7 @@ from datetime import date
 
 from test_gui import library, open_window, send  # noqa: F401
 
-from app.ui.sidebar import day_label, snippet
+from app.ui.sidebar import Sidebar, SidebarEntry, day_label, snippet
 
 
 def test_days_read_as_a_person_says_them():
@@ -34,3 +34,15 @@ def test_the_list_shows_days_and_search_snippets(qtbot, open_window):  # noqa: F
     window.sidebar.search.setText("snow")
     lines = window.sidebar.list.item(0).text().splitlines()
     assert len(lines) == 3 and "snow" in lines[2]
+
+
+def test_a_long_title_is_cut_with_an_ellipsis_not_scrolled_sideways(qtbot):
+    sidebar = Sidebar()
+    qtbot.addWidget(sidebar)
+    sidebar.resize(260, 300)
+    sidebar.show()
+    title = "Explain the map function in Python and why it returns an iterator"
+    sidebar.show_conversations([SidebarEntry(1, title, None, "2026-12-04T01:00:00")], 1)
+    qtbot.waitUntil(lambda: sidebar.list.viewport().width() > 0, timeout=5_000)
+    assert sidebar.list.horizontalScrollBar().maximum() == 0
+    assert sidebar.list.item(0).toolTip() == title  # the whole title, on hover
