@@ -3,7 +3,7 @@ files: one codec per cache class, and the manifest every chunk file carries.
 
 A codec names the tensors of a layer's tokens [start, end), says which tensors
 (with which shapes and dtypes) a chunk of a given format must hold, and builds
-the layer back from its chunks joined along the token axis. Every check of a
+the layer back from its chunks, in token order. Every check of a
 chunk's contents is in `check_layer`, so nothing unchecked reaches mlx.
 """
 
@@ -82,23 +82,14 @@ class PlainCodec:
         }
 
     def build(
-        self, named: dict[str, mx.array], fmt: str, compute: mx.Dtype | None = None
+        self, parts: dict[str, list[mx.array]], fmt: str, compute: mx.Dtype | None = None
     ) -> KVCache:
-        """The layer from its joined tokens, in the `compute` type when it differs from
-        the stored one (a 16-bit cache restored on the float32 CPU path)."""
-        keys, values = named["k.0"], named["v.0"]
-        if compute is not None and keys.dtype != compute:
-            keys, values = keys.astype(compute), values.astype(compute)
-        layer = KVCache()
-        layer.keys, layer.values = keys, values
-        layer.offset = layer.keys.shape[2]
-        return layer
-
-    def from_chunks(self, parts: dict[str, list[mx.array]], compute: mx.Dtype | None) -> KVCache:
-        """The layer with each chunk's tokens written into its place in one buffer per
-        half, with room for the tokens after them as `KVCache` grows: no join of the
-        chunks, and no copy of the whole cache when the first new token arrives (a
-        buffer of the exact length would be regrown, copied, at once)."""
+        """The layer from its chunks, in the `compute` type when it differs from the
+        stored one (a 16-bit cache restored on the float32 CPU path). Each chunk's tokens
+        are written into their place in one buffer per half, with room for the tokens
+        after them as `KVCache` grows: no join of the chunks, and no copy of the whole
+        cache when the first new token arrives (a buffer of the exact length would be
+        regrown, copied, at once)."""
         layer = KVCache()
         halves = []
         for name in ("k.0", "v.0"):
@@ -153,8 +144,12 @@ class MixedCodec:
                 specs[f"t{end}{part}"] = TensorSpec(shape_16, _SIXTEEN_STORED, optional=True)
         return specs
 
-    def build(self, named: dict[str, mx.array], fmt: str) -> MixedKVCache:
-        return MixedKVCache.from_quantized(scheme_of(fmt), named)
+    def build(
+        self, parts: dict[str, list[mx.array]], fmt: str, compute: mx.Dtype | None = None
+    ) -> MixedKVCache:
+        """The layer from its chunks joined (its types come from the scheme, not `compute`)."""
+        joined = {name: mx.concatenate(chunks, axis=2) for name, chunks in parts.items()}
+        return MixedKVCache.from_quantized(scheme_of(fmt), joined)
 
 
 CODECS = {codec.name: codec for codec in (PlainCodec(), MixedCodec())}

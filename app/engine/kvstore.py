@@ -34,7 +34,6 @@ from app.engine.codecs import (
     CODECS,
     ChunkManifest,
     LayerShape,
-    PlainCodec,
     check_layer,
     chunk_tensors,
     layer_shapes,
@@ -309,9 +308,7 @@ class _PrefixKeys:
 
 def _join(codec, pieces: dict[str, list], fmt: str, shape: LayerShape):
     stored = {name: [from_stored(p) for p in parts] for name, parts in pieces.items()}
-    if isinstance(codec, PlainCodec):  # back to the type the model computes in
-        return codec.from_chunks(stored, shape.dtype)
-    return codec.build({name: mx.concatenate(parts, axis=2) for name, parts in stored.items()}, fmt)
+    return codec.build(stored, fmt, shape.dtype)  # back to the type the model computes in
 
 
 def sixteen_bit_type(model_dir: Path) -> str | None:
