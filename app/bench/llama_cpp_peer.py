@@ -13,6 +13,7 @@ Needs llama-cpp-python (a bench extra, not a dependency: `pip install llama-cpp-
 from __future__ import annotations
 
 import ctypes
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,15 +44,19 @@ def _first_token(llm, tokens: Sequence[int]) -> int:
     return int(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),)).argmax())
 
 
-def measure(
-    gguf: Path, history: Sequence[int], new: Sequence[int], scratch: Path, threads: int
-) -> dict:
+def measure(gguf: Path, history: Sequence[int], new: Sequence[int], threads: int) -> dict:
     """llama.cpp's state size, its reopen TTFT (load the state file, read `new`, one
     token) and its TTFT recomputing history and `new` from nothing."""
+    with tempfile.TemporaryDirectory(prefix="reprise-peer-") as scratch:
+        return _measure(gguf, history, new, Path(scratch) / "llama-cpp.state", threads)
+
+
+def _measure(
+    gguf: Path, history: Sequence[int], new: Sequence[int], state_file: Path, threads: int
+) -> dict:
     import llama_cpp
 
     n_ctx = len(history) + len(new) + 16
-    state_file = scratch / "llama-cpp.state"
     writer = _context(gguf, n_ctx, threads)
     writer.eval(list(history))
     ids = (llama_cpp.llama_token * len(history))(*history)

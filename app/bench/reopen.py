@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 from app.bench import llama_cpp_peer
@@ -146,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
                 skipped.append(note)
                 print(f"skipped: {note}", file=sys.stderr, flush=True)
                 continue
-            rows.append(measure(loaded, target, peer and partial(peer, scratch=Path(scratch))))
+            rows.append(measure(loaded, target, peer))
             if not args.json:
                 print(row_text(rows[-1]), flush=True)  # each size as soon as it is measured
     if args.json:
@@ -165,8 +164,8 @@ def _peer(args: argparse.Namespace):
     if not gguf or not Path(gguf).is_file():
         raise UserError("--peer llama.cpp reads a GGUF: give it with --peer-gguf PATH")
 
-    def run(history: list[int], new: list[int], scratch: Path) -> dict:
-        return llama_cpp_peer.measure(Path(gguf), history, new, scratch, os.cpu_count() or 1)
+    def run(history: list[int], new: list[int]) -> dict:
+        return llama_cpp_peer.measure(Path(gguf), history, new, os.cpu_count() or 1)
 
     return run
 
