@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Iterable, Iterator
 
 TITLE_LENGTH = 60
 
 
 def make_title(text: str) -> str:
     """A chat's title from its first message: the first line of prose (else of code),
-    without its Markdown marks, cut at a word."""
-    prose = [_plain(line) for line in _outside_code(text.splitlines())]
-    code = [_plain(line) for line in text.splitlines() if not line.lstrip().startswith("```")]
-    line = next((line for line in [*prose, *code] if line), "")
+    without its Markdown marks, cut at a word. Lines are read only until one serves, so
+    a long paste costs no more than its first lines."""
+    lines = text.splitlines()
+    code = (line for line in lines if not _is_fence(line))
+    candidates = (_plain(line) for line in itertools.chain(_outside_code(lines), code))
+    line = next((line for line in candidates if line), "")
     if len(line) <= TITLE_LENGTH:
         return line
     cut = line[: TITLE_LENGTH - 1]
@@ -21,15 +25,18 @@ def make_title(text: str) -> str:
     return cut.rstrip(" ,;:-") + "…"
 
 
-def _outside_code(lines: list[str]) -> list[str]:
+def _is_fence(line: str) -> bool:
+    return line.lstrip().startswith(("```", "~~~"))
+
+
+def _outside_code(lines: Iterable[str]) -> Iterator[str]:
     """The lines that are not inside a fenced code block."""
-    outside, fenced = [], False
+    fenced = False
     for line in lines:
-        if line.lstrip().startswith(("```", "~~~")):
+        if _is_fence(line):
             fenced = not fenced
         elif not fenced:
-            outside.append(line)
-    return outside
+            yield line
 
 
 def _plain(line: str) -> str:
