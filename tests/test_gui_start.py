@@ -12,7 +12,7 @@ from app.ui.main_window import MainWindow
 
 # Notes which thread first imports each heavy package, then starts the window as `reprise` does.
 SHOWN_WITHOUT_THE_ENGINE = """
-import sys, threading
+import sys, threading, time
 HEAVY = ("mlx", "mlx_lm", "transformers")
 on_gui_thread = set()
 
@@ -24,13 +24,20 @@ class Note:
 
 sys.meta_path.insert(0, Note())
 import app.engine
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QMessageBox
 app = QApplication(sys.argv)
 from app.ui.main_window import MainWindow
+# The library is empty: the window warns in a modal box, which would wait for a click.
+QMessageBox.warning = lambda *args: None
 window = MainWindow()
 window.show()
 app.processEvents()
 print("imported on the GUI thread:", sorted(on_gui_thread))
+# Close once the worker has reported (a window closed mid-import is another test's subject).
+deadline = time.monotonic() + 240
+while window.models.state.text() == "Loading model…" and time.monotonic() < deadline:
+    app.processEvents()
+    time.sleep(0.05)
 window.close()
 """
 
