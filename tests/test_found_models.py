@@ -44,6 +44,7 @@ def test_each_tool_s_models_are_found_with_source_kind_and_size(places):
         "lmstudio-community/Tiny-GGUF/Tiny-Q8_0.gguf",
         "mlx-community/Tiny-MLX",
         "mlx-community/tiny-4bit",
+        "someone/Linked-GGUF/Linked-Q4_0.gguf",
         "tiny:latest",
     ]
     gguf = by_label["lmstudio-community/Tiny-GGUF/Tiny-Q8_0.gguf"]
@@ -66,6 +67,9 @@ def test_what_cannot_be_used_is_skipped_with_its_reason(places):
     assert "split GGUF" in skipped["Big-00001-of-00002.gguf"]
     assert skipped["notes.gguf"] == "not a GGUF file"
     assert "link to nowhere" in skipped["gone.gguf"]
+    assert "symbolic links" in skipped["self.gguf"]
+    assert skipped["pipe.gguf"] == "not a regular file"
+    assert skipped["pipe"] == "manifest is not a regular file"
     assert "could not be read" in skipped["json"]
     assert skipped["list"] == "manifest names no model layer"
     assert "missing" in skipped[f"sha256-{'d' * 64}"]

@@ -25,7 +25,14 @@ def lmstudio_tree(root: Path, tiny_model_dir: Path) -> Path:
     tiny.write_gguf(repo / "Big-00001-of-00002.gguf")
     (repo / "notes.gguf").write_text("not a model")
     (repo / "gone.gguf").symlink_to(root / "nowhere.gguf")
-    (repo / "loop").symlink_to(repo)  # a folder link to itself: never followed
+    (repo / "loop").symlink_to(repo)  # a folder link back up: walked once
+    linked = root.parent / "elsewhere" / "Linked-GGUF"
+    linked.mkdir(parents=True)
+    tiny.write_gguf(linked / "Linked-Q4_0.gguf")
+    (root / "someone").mkdir()
+    (root / "someone" / "Linked-GGUF").symlink_to(linked)  # a repo kept elsewhere, linked in
+    (repo / "self.gguf").symlink_to(repo / "self.gguf")  # a file link to itself
+    os.mkfifo(repo / "pipe.gguf")  # opening it would wait for a writer forever
     shutil.copytree(tiny_model_dir, root / "mlx-community" / "Tiny-MLX")
     return root
 
@@ -54,6 +61,7 @@ def ollama_tree(root: Path) -> Path:
     manifest("broken", "missing", layers(f"sha256:{'d' * 64}"))
     manifest("broken", "escape", layers("sha256:../../../../etc/passwd"))
     manifest("broken", "notgguf", layers(f"sha256:{'e' * 64}"))
+    os.mkfifo(library / "broken" / "pipe")
     return root
 
 

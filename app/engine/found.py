@@ -8,9 +8,9 @@ the tool itself finds it, environment variables first.
 Everything read there is untrusted (DESIGN §12): another program wrote it, and a
 user may have anything in these folders. A manifest that is not JSON, a digest that
 is not a digest, a blob that is missing or not GGUF, a link to nowhere or to itself:
-each becomes a `Skipped` with its reason. Folder links are never followed (no loops),
-the walk goes only as deep as each layout needs, and it stops after a number of
-entries and seconds, saying so.
+each becomes a `Skipped` with its reason. No folder is walked twice (a link back up
+the tree ends there), the walk goes only as deep as each layout needs, and it stops
+after a number of entries and seconds, saying so.
 """
 
 from __future__ import annotations
@@ -131,12 +131,22 @@ def _small_text(path: Path) -> str | None:
 
 
 class _Budget:
-    """Stops a walk of a huge (or slow, networked) folder: so many entries, so many seconds."""
+    """Stops a walk of a huge (or slow, networked) folder: so many entries, so many seconds.
+    It also remembers the folders walked, so a link back up the tree is not walked again."""
 
     def __init__(self, seconds: float, entries: int) -> None:
         self.deadline = time.monotonic() + seconds
         self.entries = entries
         self.spent = False
+        self.walked: set[tuple[int, int]] = set()
+
+    def first_visit(self, folder: Path) -> bool:
+        identity = folder.stat()
+        key = (identity.st_dev, identity.st_ino)
+        if key in self.walked:
+            return False
+        self.walked.add(key)
+        return True
 
     def take(self) -> bool:
         self.entries -= 1
@@ -199,11 +209,15 @@ def _lmstudio(root: Path, budget: _Budget, depth: int = 0) -> Iterator[Item]:
     if read_config(root) is not None and depth > 0:
         yield _mlx_item(root, "/".join(root.parts[-depth:]), root.name, LMSTUDIO)
         return
+    if not budget.first_visit(root):
+        return  # a link to a folder already walked (a loop, or the same folder twice)
     for entry in _entries(root, budget):
         path = Path(entry.path)
         try:
-            is_folder = entry.is_dir(follow_symlinks=False)  # links to folders: no loops
-        except OSError:
+            # Links to folders are followed (people link a repo in); `first_visit` ends loops.
+            is_folder = entry.is_dir()
+        except OSError as exc:  # a link to itself, say
+            yield Skipped(path, f"could not be read ({exc.strerror or exc})")
             continue
         if is_folder and not entry.name.startswith(".") and depth < 3:
             try:
@@ -227,8 +241,10 @@ def _lmstudio_gguf(path: Path, label: str) -> Item:
 def _gguf_item(path: Path, label: str, name: str, source: str) -> Item:
     """A GGUF file worth offering: it is a readable file that starts as GGUF does."""
     try:
-        if not path.is_file():
+        if not path.exists():
             return Skipped(path, "missing (or a link to nowhere)")
+        if not path.is_file():  # a pipe or a device would block or never end
+            return Skipped(path, "not a regular file")
         with path.open("rb") as f:
             magic = f.read(4)
         size = path.stat().st_size
@@ -291,6 +307,8 @@ def _ollama_manifest(root: Path, manifest: Path, parts: tuple[str, ...]) -> Item
     owner = owner if host == _OLLAMA_LIBRARY[0] else [host, namespace]
     label = "/".join([*owner, f"{model}:{tag}"])
     try:
+        if not manifest.is_file():
+            return Skipped(manifest, "manifest is not a regular file")
         if manifest.stat().st_size > _MAX_MANIFEST_BYTES:
             return Skipped(manifest, "manifest too large")
         data = json.loads(manifest.read_text(encoding="utf-8"))
