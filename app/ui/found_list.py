@@ -63,7 +63,8 @@ class FoundList(QWidget):
         row.setToolTip(0, f"{item.path}\n{how}")
         self.table.addTopLevelItem(row)
         if item.installed_as:
-            button = QPushButton(f"Installed as {item.installed_as}")
+            button = QPushButton("Installed")
+            button.setToolTip(f"In the library as {item.installed_as}")
             button.setEnabled(False)
         else:
             button = QPushButton("Import" if item.kind == found.GGUF else "Use")

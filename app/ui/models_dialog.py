@@ -58,8 +58,8 @@ class ModelsDialog(QDialog):
         buttons.addWidget(close_button)
         layout = QVBoxLayout(self)
         layout.addWidget(QLabel("<b>Installed</b>"))
-        layout.addWidget(self.table, 3)
-        layout.addWidget(self.found, 2)
+        layout.addWidget(self.table, 1)
+        layout.addWidget(self.found, 1)
         layout.addWidget(self.progress)
         layout.addWidget(self.message)
         layout.addLayout(buttons)
@@ -94,7 +94,8 @@ class ModelsDialog(QDialog):
             if m.in_place:
                 item.setToolTip(3, f"Used in place from {m.in_place}; Delete removes only the link")
             self.table.addTopLevelItem(item)
-        self.table.resizeColumnToContents(0)
+        for column in range(self.table.columnCount() - 1):
+            self.table.resizeColumnToContents(column)
 
     def choose_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(
