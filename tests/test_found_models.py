@@ -8,6 +8,7 @@ can hold; nothing about the filesystem is faked.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -203,3 +204,20 @@ def test_the_terminal_lists_found_models_and_adds_them_by_name(app_dirs, tiny_mo
     }
     found_again = json.loads(reprise("models", "found", "--json").stdout)["found"]
     assert {f["installed_as"] for f in found_again} == {"tiny-4bit", "tiny:latest"}
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_entries_are_skipped_not_raised(places):
+    manifest = places.ollama / "manifests/registry.ollama.ai/library/tiny/latest"
+    config = places.huggingface / "models--mlx-community--tiny-4bit/blobs"
+    manifest.chmod(0)
+    config.chmod(0)
+    try:
+        discovery = found.discover(places)
+    finally:
+        manifest.chmod(0o644)
+        config.chmod(0o755)
+    skipped = reasons(discovery)
+    assert "could not be read" in skipped["latest"]
+    assert skipped["models--mlx-community--tiny-4bit"] == "no readable config.json"
+    assert "tiny:latest" not in {f.label for f in discovery.found}

@@ -20,7 +20,7 @@ import os
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from app.engine.models import ModelInfo, folder_size, mlx_folder_problem, read_config
@@ -49,15 +49,10 @@ class FoundModel:
     installed_as: str = ""  # the library model made from it, if there is one
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "label": self.label,
-            "source": self.source,
-            "kind": self.kind,
-            "path": str(self.path),
-            "size_bytes": self.size_bytes,
-            "installed_as": self.installed_as or None,
-        }
+        data = asdict(self)
+        data["path"] = str(self.path)
+        data["installed_as"] = self.installed_as or None
+        return data
 
 
 @dataclass(frozen=True)
