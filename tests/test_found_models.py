@@ -221,3 +221,14 @@ def test_unreadable_entries_are_skipped_not_raised(places):
     assert "could not be read" in skipped["latest"]
     assert skipped["models--mlx-community--tiny-4bit"] == "no readable config.json"
     assert "tiny:latest" not in {f.label for f in discovery.found}
+
+
+def test_a_used_folder_s_odd_config_is_listed_not_raised(tmp_path, tiny_model_dir):
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "odd")
+    config = json.loads((folder / "config.json").read_text())
+    odd = {"quantization": True, "reprise": "x", "max_position_embeddings": "big"}
+    (folder / "config.json").write_text(json.dumps(config | odd))
+    models.link_folder(folder, tmp_path / "library", "odd")
+    [info] = models.list_models(tmp_path / "library")
+    assert (info.quantization, info.context_length, info.source) == ("unknown", None, "in place")
+    assert info.weights.startswith("unknown, 0.")

@@ -68,7 +68,9 @@ class ModelInfo:
 def _describe_quantization(config: dict) -> str:
     quant = config.get("quantization")
     if not quant:
-        return "none"
+        return "not quantized"
+    if not isinstance(quant, dict):  # a folder another tool wrote: anything can be here
+        return "unknown"
     return f"{quant.get('bits')}-bit, group {quant.get('group_size')}"
 
 
@@ -188,7 +190,7 @@ def mlx_folder_problem(folder: Path) -> str | None:
     if not isinstance(model_type, str) or not _mlx_lm_runs(model_type):
         return f"model type {model_type!r} is not one mlx-lm runs"
     try:
-        weights = [f for f in folder.glob("*.safetensors")]
+        weights = list(folder.glob("*.safetensors"))
         if not weights:
             return "no .safetensors weights"
         if not all(f.is_file() for f in weights):
