@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -98,12 +97,21 @@ def _add_model_commands(commands) -> None:
     model_commands = models.add_subparsers(dest="models_command", required=True)
     listing = model_commands.add_parser("list", help="installed models")
     listing.add_argument("--json", action="store_true")
+    found = model_commands.add_parser(
+        "found", help="models LM Studio, Ollama and the Hugging Face cache keep here"
+    )
+    found.add_argument("--json", action="store_true")
     gguf = model_commands.add_parser("import-gguf", help="import a llama or qwen GGUF file")
-    gguf.add_argument("path", type=Path)
+    gguf.add_argument("path", help="a .gguf file, or the name `reprise models found` shows")
     gguf.add_argument("--name", help="model name (default: the file name)")
     gguf.add_argument(
         "--if-missing", action="store_true", help="do nothing if a model of that name is installed"
     )
+    use = model_commands.add_parser(
+        "use", help="add an MLX model folder, used in place (nothing is copied)"
+    )
+    use.add_argument("folder", help="the folder, or the name `reprise models found` shows")
+    use.add_argument("--name", help="model name (default: the folder's)")
     delete = model_commands.add_parser("delete", help="delete an installed model")
     delete.add_argument("name")
 
@@ -186,38 +194,9 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from app.engine import models
-    from sessions import paths
+    from app.commands import models
 
-    models_dir = paths.models_dir()
-    if args.models_command == "list":
-        found = models.list_models(models_dir)
-        if args.json:
-            print(json.dumps([m.to_dict() for m in found], indent=2))
-        elif not found:
-            print(f"No models in {models_dir}")
-        for m in [] if args.json else found:
-            print(f"{m.name:40} {m.size_bytes / 1e6:8.1f} MB  {m.architecture:8} {m.quantization}")
-        return 0
-    if args.models_command == "import-gguf":
-        from app.engine.gguf_child import import_in_child
-
-        name = args.name or args.path.stem
-        if args.if_missing and models.read_info(models_dir / name):
-            print(f"{name} is already installed")
-            return 0
-
-        def progress(stage: str, done: int, total: int) -> None:
-            print(f"[{done}/{total}] {stage}", file=sys.stderr)
-
-        imported = import_in_child(args.path, models_dir, name, progress)
-        print(f"Imported {imported.name} into {imported.path}; weights: {imported.weights}")
-        return 0
-    if args.models_command == "delete":
-        models.delete(args.name, models_dir)
-        print(f"Deleted {args.name}")
-        return 0
-    return 2
+    return models.run(args)
 
 
 def _bench(args: argparse.Namespace) -> int:

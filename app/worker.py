@@ -51,6 +51,7 @@ class EngineWorker(QObject):
     download_progress = Signal(int, int, str)  # bytes done, bytes in all, file
     model_added = Signal(str)  # the new model's name; "" when an import or download failed
     prefetched = Signal(int, object)  # conversation, RestoreInfo: its cache is in memory
+    models_found = Signal(object)  # found.Discovery: what other tools keep on this computer
 
     def __init__(self) -> None:
         super().__init__()
@@ -140,6 +141,26 @@ class EngineWorker(QObject):
                 should_cancel=self._stop.is_set,
             )
         )
+
+    @Slot(str, str)
+    def use_folder(self, path: str, name: str) -> None:
+        """Add an MLX model folder to the library as a link: used in place, nothing copied."""
+        from app.engine.models import link_folder
+
+        self._add_model(lambda: link_folder(Path(path), paths.models_dir(), name))
+
+    @Slot()
+    def find_models(self) -> None:
+        """Look through LM Studio's, Ollama's and the Hugging Face cache's folders (here,
+        not on the window's thread: a large or slow disk takes seconds)."""
+        from app.engine import found, models
+
+        def find() -> None:
+            installed = models.list_models(paths.models_dir())
+            self.models_found.emit(found.discover(installed=installed))
+
+        if not self._attempt("Looking for models", find):
+            self.models_found.emit(None)
 
     def _add_model(self, task: Callable[[], Path]) -> None:
         """Run an import or download; `model_added` names the new model, or is empty."""

@@ -29,6 +29,14 @@ def app_dirs(tmp_path, monkeypatch) -> dict[str, Path]:
     dirs = {name: tmp_path / name for name in ("data", "cache", "models", "log")}
     for name, path in dirs.items():
         monkeypatch.setenv(f"REPRISE_{name.upper()}_DIR", str(path))
+    # Other tools' model folders (found by the Models dialog): empty unless a test fills them.
+    for variable, name in (
+        ("REPRISE_LMSTUDIO_MODELS", "lmstudio"),
+        ("OLLAMA_MODELS", "ollama"),
+        ("HF_HUB_CACHE", "hf-hub"),
+    ):
+        dirs[name] = tmp_path / name
+        monkeypatch.setenv(variable, str(dirs[name]))
     return dirs
 
 

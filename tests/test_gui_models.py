@@ -1,4 +1,5 @@
-"""The Models dialog: download from a (stand-in) hub with progress and cancel; GGUF import."""
+"""The Models dialog: download from a (stand-in) hub with progress and cancel; GGUF import;
+models other tools keep on this computer, imported or used in place."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import shutil
 
 import pytest
 from hub_server import FakeHub
+from PySide6.QtCore import QObject, Signal
+from tool_folders import hf_tree, ollama_tree
 
 import tiny
 from app.engine.models import list_models
+from app.service.preferences import Preferences
 from app.ui.models_dialog import ModelsDialog
 from app.worker import WorkerThread
 from sessions import paths
@@ -81,4 +85,61 @@ def test_the_model_in_use_is_marked_and_not_deleted(qtbot, tiny_model_dir, monke
     dialog.delete_selected()
     assert "tiny" in names() and asked == []
     assert dialog.message.text().startswith("tiny is the model in use")
+    engine.shutdown()
+
+
+class Asks(QObject):
+    """Requests to the worker, queued onto its thread as the window's are."""
+
+    load = Signal(str)
+    send = Signal(int, str)
+    save = Signal(object)
+
+
+def test_found_models_are_imported_or_used_in_place_then_chatted_with(
+    qtbot, app_dirs, tiny_model_dir, monkeypatch
+):
+    from PySide6.QtWidgets import QMessageBox
+
+    hub = hf_tree(app_dirs["hf-hub"], tiny_model_dir)
+    ollama_tree(app_dirs["ollama"])
+    engine = WorkerThread()
+    dialog = ModelsDialog(engine.worker)
+    qtbot.addWidget(dialog)
+    found = dialog.found.table
+    qtbot.waitUntil(lambda: found.topLevelItemCount() == 2, timeout=30_000)
+    rows = {found.topLevelItem(i).text(0): i for i in range(2)}
+    assert sorted(rows) == ["mlx-community/tiny-4bit", "tiny:latest"]
+    assert found.topLevelItem(rows["tiny:latest"]).text(1) == "Ollama"
+    assert "skipped" in dialog.found.status.text()  # the broken entries, with reasons
+
+    dialog.found.button(rows["mlx-community/tiny-4bit"]).click()
+    qtbot.waitUntil(lambda: dialog.message.text() == "Added tiny-4bit", timeout=30_000)
+    dialog.found.button(rows["tiny:latest"]).click()
+    qtbot.waitUntil(lambda: dialog.message.text() == "Added tiny:latest", timeout=60_000)
+    installed = {dialog.table.topLevelItem(i).text(0): i for i in range(2)}
+    assert sorted(installed) == ["tiny-4bit", "tiny:latest"]
+    linked = dialog.table.topLevelItem(installed["tiny-4bit"])
+    assert linked.text(3) == "in place" and "tokens of context" in linked.text(2)
+    qtbot.waitUntil(lambda: not dialog.found.button(0).isEnabled(), timeout=30_000)
+    assert dialog.found.button(0).text() == "Installed"
+
+    asks = Asks()
+    asks.load.connect(engine.worker.load_model)
+    asks.send.connect(engine.worker.send)
+    asks.save.connect(engine.worker.save_preferences)
+    asks.save.emit(Preferences(max_tokens=4, temperature=0.0))
+    with qtbot.waitSignal(engine.worker.model_loaded, timeout=60_000) as loaded:
+        asks.load.emit("tiny-4bit")
+    assert loaded.args[0] == "tiny-4bit"
+    with qtbot.waitSignal(engine.worker.finished, timeout=60_000) as replied:
+        asks.send.emit(0, "hello there")
+    assert replied.args[0].stats.generated_tokens > 0
+
+    dialog.table.setCurrentItem(dialog.table.topLevelItem(installed["tiny-4bit"]))
+    monkeypatch.setattr(QMessageBox, "question", lambda *a: QMessageBox.StandardButton.Yes)
+    dialog.delete_selected()
+    assert names() == ["tiny:latest"]
+    assert (hub / "models--mlx-community--tiny-4bit" / "blobs").is_dir()
+    assert all(p.is_file() for p in (hub / "models--mlx-community--tiny-4bit").rglob("*.json"))
     engine.shutdown()

@@ -37,7 +37,7 @@ from app.engine.gguf_arch import (
 from app.engine.gguf_check import FLOAT16_ON_IMPORT, GGUFImportError, GGUFLayout, check_gguf
 from app.engine.gguf_kquants import replace_q4_k
 from app.engine.gguf_spm import sentencepiece_tokenizer
-from app.engine.models import staged_folder
+from app.engine.models import check_name, staged_folder
 
 __all__ = ["GGUFImportError", "ImportedModel", "import_gguf"]
 
@@ -86,7 +86,7 @@ def import_gguf(
     if not gguf_path.is_file():
         raise GGUFImportError(f"No such file: {gguf_path}")
     name = name or gguf_path.stem
-    _check_model_name(name)
+    check_name(name)
     target = models_dir / name
     if target.exists():
         raise GGUFImportError(f"A model named {name!r} already exists in {models_dir}")
@@ -104,28 +104,26 @@ def import_gguf(
     with staged_folder(models_dir, name, "import") as staging:
         report("Writing model folder", 3, 4)
         mx.save_safetensors(str(staging / "model.safetensors"), weights, {"format": "mlx"})
+        types = _describe_types(layout)
+        size = (staging / "model.safetensors").stat().st_size
         config["reprise"] = {
             "source": "gguf",
             "gguf_file": gguf_path.name,
             "gguf_sha256": _sha256(gguf_path),
+            "weights": types,  # the library's weights line (it adds the size itself)
         }
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "tokenizer.json").write_text(tokenizer_json)
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-        stored = _describe_weights(layout, (staging / "model.safetensors").stat().st_size)
     report("Done", 4, 4)
-    return ImportedModel(name, target, arch.gguf_name, stored)
-
-
-def _check_model_name(name: str) -> None:
-    if not name or name.startswith(".") or "/" in name or "\\" in name or name in {"..", "."}:
-        raise GGUFImportError(f"{name!r} is not a usable model name")
+    return ImportedModel(name, target, arch.gguf_name, f"{types}, {size / 1e9:.2f} GB")
 
 
 def _read_gguf(path: Path) -> tuple[GGUFLayout, dict[str, mx.array], dict]:
     layout = check_gguf(path)  # mlx trusts what the file declares; we do not
     try:
-        tensors, meta = mx.load(str(path), return_metadata=True)
+        # Named by format, not by extension: Ollama's blobs are named by their digest.
+        tensors, meta = mx.load(str(path), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError) as exc:
         message = f"{path.name} could not be read (truncated or damaged?): {exc}"
         raise GGUFImportError(message) from exc
@@ -133,14 +131,14 @@ def _read_gguf(path: Path) -> tuple[GGUFLayout, dict[str, mx.array], dict]:
     return layout, tensors, meta
 
 
-def _describe_weights(layout: GGUFLayout, size: int) -> str:
+def _describe_types(layout: GGUFLayout) -> str:
     """What the user gets: K-quant and BF16 tensors arrive as float16, several times larger."""
     widened = sorted({t.type_name for t in layout.tensors if t.type_name in FLOAT16_ON_IMPORT})
     kept = sorted({t.type_name for t in layout.tensors} - set(widened) - {"F32"})
     parts = [", ".join(kept)] if kept else []
     if widened:
         parts.append(f"float16 (dequantized from {', '.join(widened)})")
-    return f"{' + '.join(parts) or 'F32'}, {size / 1e9:.2f} GB"
+    return " + ".join(parts) or "F32"
 
 
 def _tokenizer_files(meta: dict, context_length: int) -> tuple[str, dict]:

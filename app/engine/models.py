@@ -1,8 +1,16 @@
-"""The local model library: one folder per model under the models dir."""
+"""The local model library: one folder per model under the models dir.
+
+An entry is a folder of its own (an import, a download) or a symbolic link to an
+MLX model folder that another tool keeps (the Hugging Face cache, LM Studio): such
+a model is used in place, without copying gigabytes, and deleting it removes only
+the link. Loading, fingerprints and sizes all see through the link.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +31,14 @@ class NoModels(ModelNotFound):
     """The library is empty (the terminal and the window say what to do differently)."""
 
 
+class NotAModel(UserError):
+    """A folder offered to be used in place is not one mlx-lm can load."""
+
+
+# config.json is a few kilobytes; a larger one is not a model's (and is not read whole).
+_MAX_CONFIG_BYTES = 4 << 20
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
@@ -31,34 +47,81 @@ class ModelInfo:
     architecture: str
     quantization: str
     source: str
+    context_length: int | None = None
+    in_place: Path | None = None  # the folder a linked model is used from
 
     def to_dict(self) -> dict:
         data = asdict(self)
         data["path"] = str(self.path)
+        data["in_place"] = str(self.in_place) if self.in_place else None
         return data
+
+    @property
+    def weights(self) -> str:
+        """One line: how the weights are stored, their size, the context length."""
+        parts = [self.quantization, f"{self.size_bytes / 1e9:.2f} GB"]
+        if self.context_length:
+            parts.append(f"{self.context_length:,} tokens of context")
+        return ", ".join(parts)
 
 
 def _describe_quantization(config: dict) -> str:
     quant = config.get("quantization")
     if not quant:
-        return "none"
+        return "not quantized"
+    if not isinstance(quant, dict):  # a folder another tool wrote: anything can be here
+        return "unknown"
     return f"{quant.get('bits')}-bit, group {quant.get('group_size')}"
+
+
+def _context_length(config: dict) -> int | None:
+    inner = config.get("text_config")
+    for place in (config, inner if isinstance(inner, dict) else {}):
+        value = place.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def read_config(folder: Path) -> dict | None:
+    """A model folder's config.json as a dict, or None (missing, too large, not JSON)."""
+    try:
+        path = folder / "config.json"
+        if not path.is_file() or path.stat().st_size > _MAX_CONFIG_BYTES:
+            return None
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def folder_size(folder: Path) -> int:
+    """The bytes of the files in `folder` (through links: the cache's blobs)."""
+    total = 0
+    for f in folder.iterdir():
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except OSError:
+            continue  # a link to nowhere, or a loop: not part of the model
+    return total
 
 
 def read_info(path: Path) -> ModelInfo | None:
     """Describe the model folder at `path`, or None if it is not one."""
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    config = read_config(path)
+    if config is None:
         return None
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    linked = path.resolve() if path.is_symlink() else None
+    reprise = config.get("reprise") if isinstance(config.get("reprise"), dict) else {}
     return ModelInfo(
         name=path.name,
         path=path,
-        size_bytes=size,
-        architecture=config.get("model_type", "unknown"),
-        quantization=_describe_quantization(config),
-        source=config.get("reprise", {}).get("source", "mlx"),
+        size_bytes=folder_size(path),
+        architecture=str(config.get("model_type", "unknown")),
+        quantization=str(reprise.get("weights") or _describe_quantization(config)),
+        source="in place" if linked else str(reprise.get("source", "mlx")),
+        context_length=_context_length(config),
+        in_place=linked,
     )
 
 
@@ -110,8 +173,73 @@ def staged_folder(models_dir: Path, name: str, kind: str) -> Iterator[Path]:
         raise
 
 
+def check_name(name: str) -> None:
+    """A library name is one visible folder name."""
+    if not name or name.startswith(".") or "/" in name or "\\" in name or name in {"..", "."}:
+        raise UserError(f"{name!r} is not a usable model name")
+
+
+def mlx_folder_problem(folder: Path) -> str | None:
+    """Why mlx-lm could not load the model folder `folder`, or None if it looks loadable:
+    its config names a model type mlx-lm has, and its weights and tokenizer are there
+    (a download cut short leaves links to blobs that never arrived)."""
+    config = read_config(folder)
+    if config is None:
+        return "no readable config.json"
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not _mlx_lm_runs(model_type):
+        return f"model type {model_type!r} is not one mlx-lm runs"
+    try:
+        weights = list(folder.glob("*.safetensors"))
+        if not weights:
+            return "no .safetensors weights"
+        if not all(f.is_file() for f in weights):
+            return "some weight files are missing (an unfinished download?)"
+        if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+            return "no tokenizer files"
+    except OSError as exc:
+        return f"could not be read ({exc.strerror or exc})"
+    return None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def _mlx_lm_runs(model_type: str) -> bool:
+    """Whether mlx-lm has a model class for `model_type` (its own renames included)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    module = MODEL_REMAPPING.get(model_type, model_type)
+    if not module.isidentifier():
+        return False
+    return importlib.util.find_spec(f"mlx_lm.models.{module}") is not None
+
+
+def link_folder(folder: Path, models_dir: Path, name: str) -> Path:
+    """Add the MLX model folder `folder` to the library as `name`, used in place."""
+    check_name(name)
+    folder = Path(folder).expanduser()
+    problem = mlx_folder_problem(folder) if folder.is_dir() else "not a folder"
+    if problem:
+        raise NotAModel(f"{folder} cannot be used as a model: {problem}")
+    models_dir.mkdir(parents=True, exist_ok=True)
+    target = models_dir / name
+    if target.is_symlink() and not target.exists():
+        target.unlink()  # a link left to a folder since removed: the name is free
+    if target.exists():
+        raise UserError(f"A model named {name!r} already exists in {models_dir}")
+    os.symlink(folder.resolve(), target, target_is_directory=True)
+    return target
+
+
 def delete(name: str, models_dir: Path) -> None:
+    """Remove a model; one used in place loses only its link, never the folder."""
     path = models_dir / name
-    if "/" in name or name.startswith(".") or read_info(path) is None:
+    if "/" in name or name.startswith("."):
+        raise ModelNotFound(f"No model {name!r} in {models_dir}")
+    if path.is_symlink():
+        path.unlink()
+        return
+    if read_info(path) is None:
         raise ModelNotFound(f"No model {name!r} in {models_dir}")
     shutil.rmtree(path)

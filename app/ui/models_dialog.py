@@ -1,4 +1,5 @@
-"""The model library: list, delete, import a GGUF file (with progress)."""
+"""The model library: list, delete, import a GGUF file (with progress), download from the
+hub, and the models other tools keep on this computer (imported, or used in place)."""
 
 from __future__ import annotations
 
@@ -20,21 +21,25 @@ from PySide6.QtWidgets import (
 )
 
 from app.engine import models
+from app.ui.found_list import FoundList
 from sessions import paths
 
 
 class ModelsDialog(QDialog):
     import_requested = Signal(str, str)  # path, name
     download_requested = Signal(str)  # repo id
+    use_requested = Signal(str, str)  # MLX folder, name
+    find_requested = Signal()
 
     def __init__(self, worker, parent=None, in_use: str = "") -> None:
         super().__init__(parent)
         self.in_use = in_use  # the model the window has loaded: not deleted from here
         self.setWindowTitle("Models")
-        self.resize(640, 380)
+        self.resize(820, 560)
         self.table = QTreeWidget()
-        self.table.setHeaderLabels(["Name", "Size", "Architecture", "Weights", "Source"])
+        self.table.setHeaderLabels(["Name", "Architecture", "Weights", "Source"])
         self.table.setRootIsDecorated(False)
+        self.found = FoundList()
         self.progress = QProgressBar()
         self.progress.hide()
         self.message = QLabel("")
@@ -52,7 +57,9 @@ class ModelsDialog(QDialog):
         buttons.addStretch(1)
         buttons.addWidget(close_button)
         layout = QVBoxLayout(self)
-        layout.addWidget(self.table)
+        layout.addWidget(QLabel("<b>Installed</b>"))
+        layout.addWidget(self.table, 1)
+        layout.addWidget(self.found, 1)
         layout.addWidget(self.progress)
         layout.addWidget(self.message)
         layout.addLayout(buttons)
@@ -70,17 +77,25 @@ class ModelsDialog(QDialog):
         self.import_requested.connect(worker.import_gguf)
         worker.import_progress.connect(self.on_progress)
         worker.model_added.connect(self.on_done)
+        self.found.import_requested.connect(self.start_import)
+        self.found.use_requested.connect(self.start_use)
+        self.use_requested.connect(worker.use_folder)
+        self.find_requested.connect(worker.find_models)
+        worker.models_found.connect(self.found.show_found)
         self.refresh()
+        self.find_requested.emit()  # answered on the worker's thread: the dialog is up at once
 
     def refresh(self) -> None:
         self.table.clear()
         for m in models.list_models(paths.models_dir()):
             shown = f"{m.name} (in use)" if m.name == self.in_use else m.name
-            size = f"{m.size_bytes / 1e6:.0f} MB"
-            item = QTreeWidgetItem([shown, size, m.architecture, m.quantization, m.source])
+            item = QTreeWidgetItem([shown, m.architecture, m.weights, m.source])
             item.setData(0, Qt.ItemDataRole.UserRole, m.name)
+            if m.in_place:
+                item.setToolTip(3, f"Used in place from {m.in_place}; Delete removes only the link")
             self.table.addTopLevelItem(item)
-        self.table.resizeColumnToContents(0)
+        for column in range(self.table.columnCount() - 1):
+            self.table.resizeColumnToContents(column)
 
     def choose_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(
@@ -98,6 +113,10 @@ class ModelsDialog(QDialog):
         self.progress.show()
         self.message.setText(f"Importing {Path(path).name}…")
         self.import_requested.emit(path, name)
+
+    def start_use(self, folder: str, name: str) -> None:
+        self.message.setText(f"Adding {name} (used in place)…")
+        self.use_requested.emit(folder, name)
 
     def ask_repo(self) -> None:
         repo, ok = QInputDialog.getText(
@@ -131,6 +150,9 @@ class ModelsDialog(QDialog):
         self.cancel_button.hide()
         self.message.setText(f"Added {name}" if name else "Nothing was added")
         self.refresh()
+        if name:  # what was just added is marked as installed in the found list
+            self.found.looking()
+            self.find_requested.emit()
 
     def delete_selected(self) -> None:
         item = self.table.currentItem()
@@ -142,7 +164,14 @@ class ModelsDialog(QDialog):
                 f"{name} is the model in use: choose another in the toolbar, then delete it."
             )
             return
-        answer = QMessageBox.question(self, "Delete model", f"Delete {name} from disk?")
+        linked = (paths.models_dir() / name).is_symlink()
+        question = (
+            f"Remove {name} from the library? Its folder stays where it is."
+            if linked
+            else f"Delete {name} from disk?"
+        )
+        answer = QMessageBox.question(self, "Delete model", question)
         if answer == QMessageBox.StandardButton.Yes:
             models.delete(name, paths.models_dir())
             self.refresh()
+            self.find_requested.emit()
