@@ -98,9 +98,18 @@ def _add_model_commands(commands) -> None:
     model_commands = models.add_subparsers(dest="models_command", required=True)
     listing = model_commands.add_parser("list", help="installed models")
     listing.add_argument("--json", action="store_true")
-    gguf = model_commands.add_parser("import-gguf", help="import a llama or qwen GGUF file")
+    gguf = model_commands.add_parser(
+        "import-gguf", help="import a llama, qwen, gemma or phi-3 GGUF file"
+    )
     gguf.add_argument("path", type=Path)
     gguf.add_argument("--name", help="model name (default: the file name)")
+    gguf.add_argument(
+        "--bits",
+        choices=("file", "4", "8", "16"),
+        default="file",
+        help="weights at the file's own precision (default), every matrix at 4 or 8 bits, "
+        "or all float16",
+    )
     gguf.add_argument(
         "--if-missing", action="store_true", help="do nothing if a model of that name is installed"
     )
@@ -210,7 +219,8 @@ def _models(args: argparse.Namespace) -> int:
         def progress(stage: str, done: int, total: int) -> None:
             print(f"[{done}/{total}] {stage}", file=sys.stderr)
 
-        imported = import_in_child(args.path, models_dir, name, progress)
+        bits = None if args.bits == "file" else int(args.bits)
+        imported = import_in_child(args.path, models_dir, name, progress, bits)
         print(f"Imported {imported.name} into {imported.path}; weights: {imported.weights}")
         return 0
     if args.models_command == "delete":
