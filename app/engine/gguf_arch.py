@@ -102,6 +102,12 @@ def _gemma3_config(meta: dict, prefix: str, config: dict) -> dict:
         extra["sliding_window"] = meta_count(meta, f"{prefix}.attention.sliding_window")
     else:  # no window: every layer global
         extra["sliding_window_pattern"] = 1
+    if extra["sliding_window_pattern"] > config["num_hidden_layers"]:
+        # mlx-lm's gemma3_text reads the first global layer's cache: there must be one.
+        raise GGUFImportError(
+            f"This gemma3 model's sliding window pattern ({extra['sliding_window_pattern']}) "
+            f"is longer than its {config['num_hidden_layers']} layers"
+        )
     scaling = meta_str(meta, f"{prefix}.rope.scaling.type")
     if scaling == "linear":
         factor = float(meta_num(meta, f"{prefix}.rope.scaling.factor"))
@@ -173,7 +179,9 @@ ARCHITECTURES = {
             norm_shift=1.0,
             extra_config=_gemma3_config,
         ),
-        Architecture("phi3", "phi3", "Phi3ForCausalLM", False, _PHI3_BLOCK),
+        Architecture(
+            "phi3", "phi3", "Phi3ForCausalLM", False, _PHI3_BLOCK, extra_config=_phi3_config
+        ),
     )
 }
 
