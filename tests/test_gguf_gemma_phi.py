@@ -20,6 +20,7 @@ from mlx_lm.utils import load_model
 
 from app.engine.gguf_child import import_in_child
 from app.engine.gguf_import import GGUFImportError
+from app.engine.loading import load
 
 _PROMPT = mx.array([[5, 70, 99, 3, 180, 260, 42, 11, 8, 17]])  # longer than the window
 
@@ -86,6 +87,12 @@ def test_imported_model_gives_the_reference_logits(tmp_path, arch):
     model, _ = load_model(imported.path)
     expected, got = reference(_PROMPT), model(_PROMPT)
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4, rtol=1e-4)
+    # The app opens it too (its loader also reads the config with transformers).
+    loaded = load(imported.path)
+    assert (
+        loaded.tokenizer.decode(loaded.tokenizer.encode("the theme", add_special_tokens=False))
+        == "the theme"
+    )
 
 
 def test_the_norm_offset_matters(tmp_path):

@@ -119,12 +119,14 @@ def _gemma3_config(meta: dict, prefix: str, config: dict) -> dict:
     return extra
 
 
-def _gemma_query_scalar(config: dict, layers_of_27b: int) -> float:
+def _gemma_query_scalar(config: dict, layers_of_27b: int) -> int | float:
     """llama.cpp scales Gemma's queries by the head size, except in the 27B models
-    (which it knows by their layer count), whose scale is hidden size / heads."""
-    if config["num_hidden_layers"] == layers_of_27b:
-        return config["hidden_size"] / config["num_attention_heads"]
-    return float(config["head_dim"])
+    (which it knows by their layer count), whose scale is hidden size / heads. A whole
+    number is written as one: transformers' Gemma config refuses a float there."""
+    if config["num_hidden_layers"] != layers_of_27b:
+        return config["head_dim"]
+    scalar = config["hidden_size"] / config["num_attention_heads"]
+    return int(scalar) if scalar == int(scalar) else scalar
 
 
 def _phi3_config(meta: dict, prefix: str, config: dict) -> dict:
