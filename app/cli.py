@@ -101,9 +101,18 @@ def _add_model_commands(commands) -> None:
         "found", help="models LM Studio, Ollama and the Hugging Face cache keep here"
     )
     found.add_argument("--json", action="store_true")
-    gguf = model_commands.add_parser("import-gguf", help="import a llama or qwen GGUF file")
+    gguf = model_commands.add_parser(
+        "import-gguf", help="import a llama, qwen, gemma or phi-3 GGUF file"
+    )
     gguf.add_argument("path", help="a .gguf file, or the name `reprise models found` shows")
     gguf.add_argument("--name", help="model name (default: the file name)")
+    gguf.add_argument(
+        "--bits",
+        choices=("file", "4", "8", "16"),
+        default="file",
+        help="weights at the file's own precision (default), every matrix at 4 or 8 bits, "
+        "or all float16",
+    )
     gguf.add_argument(
         "--if-missing", action="store_true", help="do nothing if a model of that name is installed"
     )

@@ -90,7 +90,8 @@ def _import(args: argparse.Namespace, models_dir: Path) -> int:
     def progress(stage: str, done: int, total: int) -> None:
         print(f"[{done}/{total}] {stage}", file=sys.stderr)
 
-    imported = import_in_child(path, models_dir, name, progress)
+    bits = None if args.bits == "file" else int(args.bits)
+    imported = import_in_child(path, models_dir, name, progress, bits)
     print(f"Imported {imported.name} into {imported.path}; weights: {imported.weights}")
     return 0
 

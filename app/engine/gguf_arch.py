@@ -11,6 +11,14 @@ between them, and why it matters:
   so those imports keep mlx-lm's default `rope_traditional: false`.
 - Extra tensors: Qwen2 has biases on the Q, K and V projections; Qwen3 has
   RMS norms on each head's queries and keys (`attn_q_norm`, `attn_k_norm`).
+- Gemma 2 and 3 norm after attention and around the MLP too, and their RMS norms
+  scale by `1 + weight`; llama.cpp's converter adds the one to every norm weight
+  (its `Gemma2Model` / `Gemma3Model.modify_tensors`) and mlx-lm adds it at run
+  time, so the import takes it off again. Their settings llama.cpp does not
+  store (the query scale, Gemma 3's local rope base and layer pattern) are set as
+  llama.cpp's own loader sets them.
+- Phi-3 keeps Q, K, V in one fused matrix (`attn_qkv`) and gate and up in another
+  (`ffn_up`), as mlx-lm's phi3 does: names change, weights do not.
 - Metadata keys are prefixed with the architecture name (`qwen2.block_count`).
 """
 
@@ -19,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -42,6 +51,19 @@ _PER_BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GEMMA_BLOCK = {k: v for k, v in _PER_BLOCK.items() if k != "ffn_norm"} | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_PHI3_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
 _TOP_NAME = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
 
@@ -55,6 +77,67 @@ class Architecture:
     per_block: dict[str, str]  # GGUF block tensor -> mlx-lm name, all required
     biased: tuple[str, ...] = ()  # GGUF block tensors that also carry a required .bias
     rope_theta: float = 10000.0
+    norm_shift: float = 0.0  # what llama.cpp's converter added to every norm weight
+    tied_only: bool = False  # mlx-lm's model has no separate output matrix
+    # config entries of this family's own, from the metadata and the base config
+    extra_config: Callable[[dict, str, dict], dict] | None = None
+
+
+def _gemma2_config(meta: dict, prefix: str, config: dict) -> dict:
+    return {
+        "attn_logit_softcapping": float(meta_num(meta, f"{prefix}.attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(meta_num(meta, f"{prefix}.final_logit_softcapping", 30.0)),
+        "query_pre_attn_scalar": _gemma_query_scalar(config, 46),
+    }
+
+
+def _gemma3_config(meta: dict, prefix: str, config: dict) -> dict:
+    extra = {
+        "query_pre_attn_scalar": _gemma_query_scalar(config, 62),
+        # llama.cpp's loader: rope base 10000 on the sliding layers, every sixth global
+        "rope_local_base_freq": float(meta_num(meta, f"{prefix}.rope.freq_base_swa", 10000.0)),
+        "sliding_window_pattern": meta_count(meta, f"{prefix}.attention.sliding_window_pattern", 6),
+    }
+    if f"{prefix}.attention.sliding_window" in meta:
+        extra["sliding_window"] = meta_count(meta, f"{prefix}.attention.sliding_window")
+    else:  # no window: every layer global
+        extra["sliding_window_pattern"] = 1
+    if extra["sliding_window_pattern"] > config["num_hidden_layers"]:
+        # mlx-lm's gemma3_text reads the first global layer's cache: there must be one.
+        raise GGUFImportError(
+            f"This gemma3 model's sliding window pattern ({extra['sliding_window_pattern']}) "
+            f"is longer than its {config['num_hidden_layers']} layers"
+        )
+    scaling = meta_str(meta, f"{prefix}.rope.scaling.type")
+    if scaling == "linear":
+        factor = float(meta_num(meta, f"{prefix}.rope.scaling.factor"))
+        if factor <= 0:
+            raise GGUFImportError(f"The GGUF rope scaling factor ({factor}) is not usable")
+        extra["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    elif scaling not in (None, "none"):
+        raise GGUFImportError(f"Gemma 3 rope scaling {scaling!r} is not supported yet")
+    return extra
+
+
+def _gemma_query_scalar(config: dict, layers_of_27b: int) -> int | float:
+    """llama.cpp scales Gemma's queries by the head size, except in the 27B models
+    (which it knows by their layer count), whose scale is hidden size / heads. A whole
+    number is written as one: transformers' Gemma config refuses a float there."""
+    if config["num_hidden_layers"] != layers_of_27b:
+        return config["head_dim"]
+    scalar = config["hidden_size"] / config["num_attention_heads"]
+    return int(scalar) if scalar == int(scalar) else scalar
+
+
+def _phi3_config(meta: dict, prefix: str, config: dict) -> dict:
+    head_dim = config["head_dim"]
+    if head_dim * config["num_attention_heads"] != config["hidden_size"]:
+        # mlx-lm's phi3 derives the head size from the hidden size.
+        raise GGUFImportError(f"This phi3 model's head size ({head_dim}) is not supported")
+    rotary = meta_count(meta, f"{prefix}.rope.dimension_count", head_dim)
+    if rotary > head_dim:
+        raise GGUFImportError(f"The GGUF rope dimension count ({rotary}) exceeds the head size")
+    return {"partial_rotary_factor": rotary / head_dim}
 
 
 ARCHITECTURES = {
@@ -77,6 +160,29 @@ ARCHITECTURES = {
             False,
             _PER_BLOCK | _QK_NORMS,
             rope_theta=1000000.0,
+        ),
+        Architecture(
+            "gemma2",
+            "gemma2",
+            "Gemma2ForCausalLM",
+            False,
+            _GEMMA_BLOCK,
+            norm_shift=1.0,
+            tied_only=True,
+            extra_config=_gemma2_config,
+        ),
+        Architecture(
+            "gemma3",
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            False,
+            _GEMMA_BLOCK | _QK_NORMS,
+            rope_theta=1000000.0,
+            norm_shift=1.0,
+            extra_config=_gemma3_config,
+        ),
+        Architecture(
+            "phi3", "phi3", "Phi3ForCausalLM", False, _PHI3_BLOCK, extra_config=_phi3_config
         ),
     )
 }
@@ -129,14 +235,29 @@ def map_weights(arch: Architecture, tensors: dict[str, mx.array]) -> dict[str, m
                 raise GGUFImportError(
                     f"Unsupported tensor {key} (not a plain {arch.gguf_name} block)"
                 )
-            weights[f"model.layers.{block}.{arch.per_block[part]}.{suffix}"] = value
+            name = f"model.layers.{block}.{arch.per_block[part]}.{suffix}"
+            weights[name] = _unshift(arch, part, value)
         elif (match := _TOP_NAME.match(key)) and match.group(1) in _TOP_LEVEL:
-            weights[f"{_TOP_LEVEL[match.group(1)]}.{match.group(2)}"] = value
-        elif key == "rope_freqs.weight":
-            raise GGUFImportError("GGUF files with rope frequency factors are not supported yet")
+            if arch.tied_only and match.group(1) == "output":
+                raise GGUFImportError(f"A {arch.gguf_name} model has no separate {key}")
+            weights[f"{_TOP_LEVEL[match.group(1)]}.{match.group(2)}"] = _unshift(
+                arch, match.group(1), value
+            )
+        elif key in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+            raise GGUFImportError(
+                "GGUF files with rope frequency factors (long-context rope scaling) "
+                "are not supported yet"
+            )
         else:
             raise GGUFImportError(f"Unsupported tensor {key} (not a plain {arch.gguf_name} model)")
     return weights
+
+
+def _unshift(arch: Architecture, part: str, value: mx.array) -> mx.array:
+    """A norm weight as mlx-lm's model expects it: llama.cpp's offset taken off again."""
+    if arch.norm_shift and part.endswith("norm"):
+        return (value.astype(mx.float32) - arch.norm_shift).astype(value.dtype)
+    return value
 
 
 def _check_complete(arch: Architecture, weights: dict[str, mx.array], layers: int) -> None:
@@ -182,6 +303,8 @@ def model_config(arch: Architecture, meta: dict, weights: dict[str, mx.array]) -
     if arch.model_type == "qwen2" and head_dim * heads != hidden:
         # mlx-lm's qwen2 derives the head size from the hidden size; it has no head_dim.
         raise GGUFImportError(f"This qwen2 model's head size ({head_dim}) is not supported")
+    if arch.extra_config:
+        config |= arch.extra_config(meta, prefix, config)
     quantization = _quantization(weights, hidden, heads * head_dim, config["intermediate_size"])
     if quantization:
         config["quantization"] = quantization

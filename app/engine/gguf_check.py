@@ -10,14 +10,22 @@ every byte it will touch lies inside them.
 Layout (GGUF v2 and v3, little-endian): magic, version, tensor count, metadata
 count; the metadata (key, type, value); one record per tensor (name, dimensions,
 ggml type, offset); padding to the alignment; the tensor data.
+
+The metadata values are kept (`GGUFLayout.metadata`) in the shapes mlx's reader
+gave them: text as `str`, lists of text as `list[str]`, numbers and lists of
+numbers as `mx.array`. The tensors are read by `gguf_tensors`, from the offsets
+checked here; no native GGUF reader sees the file at all.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
+
+import mlx.core as mx
+import numpy as np
 
 from app.engine.errors import UserError
 
@@ -30,6 +38,8 @@ DEFAULT_ALIGNMENT = 32
 MAX_ITEMS = 1 << 24
 
 # Metadata value types: id -> (struct format, size). 8 is a string, 9 an array.
+# Lists of numbers become arrays of the same kind (float64 as float32, as mlx's
+# reader did: mlx computes in float32 at most).
 _SCALARS = {
     0: ("<B", 1),
     1: ("<b", 1),
@@ -43,14 +53,16 @@ _SCALARS = {
     11: ("<q", 8),
     12: ("<d", 8),
 }
+_ARRAY_DTYPES = {
+    0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+    6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64,
+}  # fmt: skip
 _STRING = 8
 _ARRAY = 9
 _UINT32 = 4
 
 # The ggml tensor types we import: id -> (name, elements per block, bytes per block).
-# mx.load keeps Q4_0/Q4_1/Q8_0 quantized and turns BF16, Q2_K and Q6_K into float16
-# (checked against the `gguf` package's reference); Q4_K it reads wrongly, so
-# gguf_kquants dequantizes that one.
+# `gguf_tensors` reads each one from the file's bytes (gguf_kquants has the layouts).
 TENSOR_TYPES = {
     0: ("F32", 1, 4),
     1: ("F16", 1, 2),
@@ -58,22 +70,23 @@ TENSOR_TYPES = {
     3: ("Q4_1", 32, 20),
     8: ("Q8_0", 32, 34),
     10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
     12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
     24: ("I8", 1, 1),
     25: ("I16", 1, 2),
     26: ("I32", 1, 4),
     30: ("BF16", 1, 2),
 }
-# Types llama.cpp writes that mx.load cannot read (it fails on the whole file), named
-# so that the refusal says which one the file uses.
+# Types llama.cpp writes that we cannot read yet, named so that the refusal says
+# which one the file uses.
 UNSUPPORTED_TYPES = {
-    6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 11: "Q3_K", 13: "Q5_K", 15: "Q8_K",
+    6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 15: "Q8_K",
     16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
     22: "IQ2_S", 23: "IQ4_XS", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0",
     35: "TQ2_0", 39: "MXFP4",
 }  # fmt: skip
-FLOAT16_ON_IMPORT = ("BF16", "Q2_K", "Q4_K", "Q6_K")
 
 
 class GGUFImportError(UserError):
@@ -97,6 +110,7 @@ class GGUFLayout:
     alignment: int
     data_start: int
     file_size: int
+    metadata: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 class _Reader:
@@ -169,29 +183,37 @@ def _check_file(path: Path) -> GGUFLayout:
         # entry: an empty key (8), a type (4) and a byte.
         tensor_count = reader.count("the tensor count", 32)
         metadata_count = reader.count("the metadata count", 13)
-        alignment = _read_metadata(reader, metadata_count)
+        metadata = _read_metadata(reader, metadata_count)
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         tensors = [_read_tensor(reader, i) for i in range(tensor_count)]
         data_start = -(-reader.position // alignment) * alignment
     _check_tensor_data(reader, tensors, alignment, data_start)
-    return GGUFLayout(version, metadata_count, tuple(tensors), alignment, data_start, size)
+    return GGUFLayout(
+        version, metadata_count, tuple(tensors), alignment, data_start, size, metadata
+    )
 
 
-def _read_metadata(reader: _Reader, count: int) -> int:
-    """Reads every metadata entry; returns the data alignment the file declares."""
-    alignment = DEFAULT_ALIGNMENT
-    seen: set[str] = set()
+def _read_metadata(reader: _Reader, count: int) -> dict:
+    """Reads every metadata entry; `general.alignment` as a plain int, checked."""
+    metadata: dict = {}
     for i in range(count):
         key = reader.string(f"metadata key {i}")
-        if key in seen:
+        if key in metadata:
             raise reader.fail(f"the metadata key {key!r} appears twice")
-        seen.add(key)
         kind = reader.u32(f"the type of {key}")
         value = _read_value(reader, kind, key)
         if key == "general.alignment":
             if kind != _UINT32 or value == 0 or value & (value - 1):
                 raise reader.fail(f"general.alignment ({value!r}) is not a power of two")
-            alignment = value
-    return alignment
+        elif kind in _SCALARS:
+            value = mx.array(np.array(value, dtype=_numpy_dtype(kind)))
+        metadata[key] = value
+    return metadata
+
+
+def _numpy_dtype(kind: int) -> np.dtype:
+    dtype = np.dtype(_ARRAY_DTYPES[kind])
+    return np.dtype(np.float32) if dtype == np.float64 else dtype
 
 
 def _read_value(reader: _Reader, kind: int, key: str):
@@ -205,16 +227,15 @@ def _read_value(reader: _Reader, kind: int, key: str):
     item_kind = reader.u32(f"the item type of {key}")
     if item_kind == _STRING:
         length = reader.count(f"the length of {key}", 8)
-        for i in range(length):
-            reader.string(f"item {i} of {key}")
-        return None
+        return [reader.string(f"item {i} of {key}") for i in range(length)]
     if item_kind not in _SCALARS:
         what = "arrays of arrays" if item_kind == _ARRAY else f"item type {item_kind}"
         raise reader.fail(f"{key} holds {what}, which is not supported")
     item_size = _SCALARS[item_kind][1]
     length = reader.count(f"the length of {key}", item_size)
-    reader.take(length * item_size, f"the items of {key}")
-    return None
+    raw = reader.take(length * item_size, f"the items of {key}")
+    items = np.frombuffer(raw, dtype=np.dtype(_ARRAY_DTYPES[item_kind]).newbyteorder("<"))
+    return mx.array(items.astype(_numpy_dtype(item_kind)))
 
 
 def _read_tensor(reader: _Reader, index: int) -> TensorRecord:

@@ -40,10 +40,11 @@ def import_in_child(
     models_dir: Path,
     name: str | None = None,
     progress: Progress | None = None,
+    bits: int | None = None,
 ) -> ImportedModel:
     """`gguf_import.import_gguf` in a child process; progress arrives here as it happens."""
     report = progress or (lambda stage, done, total: None)
-    request = {"gguf": str(gguf_path), "models": str(models_dir), "name": name}
+    request = {"gguf": str(gguf_path), "models": str(models_dir), "name": name, "bits": bits}
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
@@ -140,7 +141,11 @@ def run_child() -> int:
 
     try:
         imported = import_gguf(
-            Path(request["gguf"]), Path(request["models"]), request["name"], progress
+            Path(request["gguf"]),
+            Path(request["models"]),
+            request["name"],
+            progress,
+            request.get("bits"),
         )
     except UserError as exc:
         send({"refused": str(exc)})

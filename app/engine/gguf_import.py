@@ -1,13 +1,11 @@
-"""Import a GGUF file (llama, qwen2, qwen3) into an MLX model folder.
+"""Import a GGUF file (llama, qwen2, qwen3, gemma2, gemma3, phi3) into an MLX model folder.
 
-`mx.load` reads GGUF directly: Q4_0/Q4_1/Q8_0 tensors arrive as MLX affine
-quantized weights (weight, scales, biases, group size 32), everything else as
-float arrays. What this module adds:
-
+- the file's structure and metadata read and checked by our own reader
+  (`gguf_check`), and its tensors read from the verified offsets and stored as
+  MLX affine-quantized or float weights at the precision asked for
+  (`gguf_tensors`, `gguf_kquants`); no native GGUF reader sees the file;
 - tensor names and metadata mapped to mlx-lm's layout and config, per
   architecture, with the rope layout llama.cpp's converter left (`gguf_arch`);
-- the file's structure checked by our own reader first (`gguf_check`), since
-  mlx's reader trusts the sizes and offsets a file declares;
 - a Hugging Face `tokenizer.json` rebuilt from the GGUF vocabulary: byte-level
   BPE from its merges, or SentencePiece from its scores (`gguf_spm`), plus the
   chat template from `tokenizer.chat_template`.
@@ -34,9 +32,9 @@ from app.engine.gguf_arch import (
     meta_str,
     model_config,
 )
-from app.engine.gguf_check import FLOAT16_ON_IMPORT, GGUFImportError, GGUFLayout, check_gguf
-from app.engine.gguf_kquants import replace_q4_k
+from app.engine.gguf_check import GGUFImportError, check_gguf
 from app.engine.gguf_spm import sentencepiece_tokenizer
+from app.engine.gguf_tensors import read_tensors
 from app.engine.models import check_name, staged_folder
 
 __all__ = ["GGUFImportError", "ImportedModel", "import_gguf"]
@@ -71,7 +69,7 @@ class ImportedModel:
     name: str
     path: Path
     architecture: str
-    weights: str = ""  # how the weights are stored, e.g. "float16 (from Q4_K, Q6_K), 1.2 GB"
+    weights: str = ""  # how the weights are stored, e.g. "Q4_K as 4-bit (exact), ...; 1.2 GB"
 
 
 def import_gguf(
@@ -79,8 +77,12 @@ def import_gguf(
     models_dir: Path,
     name: str | None = None,
     progress: Progress | None = None,
+    bits: int | None = None,
 ) -> ImportedModel:
-    """Convert `gguf_path` into `models_dir/name`, atomically."""
+    """Convert `gguf_path` into `models_dir/name`, atomically.
+
+    `bits`: None stores each tensor at its own precision; 4 or 8 every matrix at that
+    many bits; 16 everything as float16 (`gguf_tensors` says what each means)."""
     report = progress or (lambda stage, done, total: None)
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -92,7 +94,9 @@ def import_gguf(
         raise GGUFImportError(f"A model named {name!r} already exists in {models_dir}")
 
     report("Reading GGUF", 0, 4)
-    layout, tensors, meta = _read_gguf(gguf_path)
+    layout = check_gguf(gguf_path)
+    meta = layout.metadata
+    tensors, stored = read_tensors(gguf_path, layout, bits)
     arch = architecture_of(meta, gguf_path.name)
     report("Building tokenizer", 1, 4)
     context = meta_count(meta, f"{arch.gguf_name}.context_length", 4096)
@@ -104,41 +108,19 @@ def import_gguf(
     with staged_folder(models_dir, name, "import") as staging:
         report("Writing model folder", 3, 4)
         mx.save_safetensors(str(staging / "model.safetensors"), weights, {"format": "mlx"})
-        types = _describe_types(layout)
         size = (staging / "model.safetensors").stat().st_size
         config["reprise"] = {
             "source": "gguf",
             "gguf_file": gguf_path.name,
             "gguf_sha256": _sha256(gguf_path),
-            "weights": types,  # the library's weights line (it adds the size itself)
+            "weights": stored,  # the library's weights line (it adds the size itself)
         }
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "tokenizer.json").write_text(tokenizer_json)
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     report("Done", 4, 4)
-    return ImportedModel(name, target, arch.gguf_name, f"{types}, {size / 1e9:.2f} GB")
-
-
-def _read_gguf(path: Path) -> tuple[GGUFLayout, dict[str, mx.array], dict]:
-    layout = check_gguf(path)  # mlx trusts what the file declares; we do not
-    try:
-        # Named by format, not by extension: Ollama's blobs are named by their digest.
-        tensors, meta = mx.load(str(path), format="gguf", return_metadata=True)
-    except (RuntimeError, ValueError) as exc:
-        message = f"{path.name} could not be read (truncated or damaged?): {exc}"
-        raise GGUFImportError(message) from exc
-    replace_q4_k(path, layout, tensors)
-    return layout, tensors, meta
-
-
-def _describe_types(layout: GGUFLayout) -> str:
-    """What the user gets: K-quant and BF16 tensors arrive as float16, several times larger."""
-    widened = sorted({t.type_name for t in layout.tensors if t.type_name in FLOAT16_ON_IMPORT})
-    kept = sorted({t.type_name for t in layout.tensors} - set(widened) - {"F32"})
-    parts = [", ".join(kept)] if kept else []
-    if widened:
-        parts.append(f"float16 (dequantized from {', '.join(widened)})")
-    return " + ".join(parts) or "F32"
+    stored += f"; {size / 1e9:.2f} GB (the GGUF file: {layout.file_size / 1e9:.2f} GB)"
+    return ImportedModel(name, target, arch.gguf_name, stored)
 
 
 def _tokenizer_files(meta: dict, context_length: int) -> tuple[str, dict]:

@@ -96,9 +96,9 @@ CASES = {
         lambda g: _tensor(g, EMBED, dims=[2**64 - 1, 2**64 - 1]),
         "past the end",
     ),
-    "Q5_K (unsupported type)": (
-        lambda g: _tensor(g, NORM, ggml_type=13),
-        "stores tensor .* as Q5_K, which cannot be imported yet",
+    "Q5_0 (unsupported type)": (
+        lambda g: _tensor(g, NORM, ggml_type=6),
+        "stores tensor .* as Q5_0, which cannot be imported yet",
     ),
     "Q4_K rows not whole blocks": (
         lambda g: _tensor(g, NORM, ggml_type=12),
