@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models import base
 
-from app.engine import kvkernels
+from app.engine import cpu_attention, kvkernels
 
 _FAST_WIDEN = (8, 4)  # widths the CPU unpacks with byte views
 
@@ -106,6 +106,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     if handshake is not None and handshake[0] is keys and handshake[1] is values:
         cache.packed_reads = True
         return cache.attend(queries, scale, mask, sinks)
+    if cpu_attention.applies(queries, keys, sinks):
+        return cpu_attention.attention(queries, keys, values, scale, mask)
     return _original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -193,6 +195,8 @@ def dense(layout: PackedLayout, queries: mx.array, scale: float, mask, sinks=Non
     values = _in_order(layout, 1, dtype, False)
     if layout.rotated:
         queries = _rotate(queries)
+    if cpu_attention.applies(queries, keys, sinks):
+        return cpu_attention.attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
