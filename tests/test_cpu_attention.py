@@ -82,9 +82,7 @@ def test_only_float32_on_the_cpu_without_sinks_takes_the_numpy_path():
     assert not cpu_attention.applies(q, k, mx.zeros((4,)))
 
 
-def test_a_model_on_the_cpu_path_attends_through_numpy_with_mlxs_logits(
-    tiny_model, monkeypatch
-):
+def test_a_model_on_the_cpu_path_attends_through_numpy_with_mlxs_logits(tiny_model, monkeypatch):
     model = tiny_model.model
     tokens = mx.random.randint(3, 200, (120,), key=mx.random.key(8))
     calls = []

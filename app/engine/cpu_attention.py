@@ -45,9 +45,7 @@ def applies(queries: mx.array, keys, sinks) -> bool:
     )
 
 
-def attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask
-) -> mx.array:
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     """What `mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
     mask=mask)` gives, for grouped-query heads, `mask` None, "causal" or an array
     (boolean: True attends; otherwise added to the scores)."""
