@@ -125,24 +125,32 @@ def _add_model_commands(commands) -> None:
     delete.add_argument("name")
 
 
+def _add_peer_arguments(bench) -> None:
+    bench.add_argument(
+        "--peer", choices=["llama.cpp"], help="also measure llama.cpp (needs llama-cpp-python)"
+    )
+    bench.add_argument(
+        "--peer-gguf", type=Path, help="the GGUF the peer reads (default: $REPRISE_STARTER_GGUF)"
+    )
+
+
 def _add_bench_commands(commands) -> None:
     bench = commands.add_parser("bench", help="measure the engine")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     cpu = bench_commands.add_parser("cpu", help="engine vs plain mlx-lm, prefill and decode")
     cpu.add_argument("--model", help="model name or folder (default: the starter model)")
     cpu.add_argument("--prompt-tokens", type=int, default=512)
+    cpu.add_argument(
+        "--context", type=int, nargs="+", help="also long prompts of these many tokens"
+    )
+    _add_peer_arguments(cpu)
     cpu.add_argument("--json", action="store_true")
     reopen = bench_commands.add_parser("reopen", help="restore from disk vs recompute")
     reopen.add_argument("--model", help="model name or folder (default: the starter model)")
     reopen.add_argument(
         "--tokens", type=int, nargs="+", default=[1024, 4096], help="history lengths to measure"
     )
-    reopen.add_argument(
-        "--peer", choices=["llama.cpp"], help="also measure llama.cpp (needs llama-cpp-python)"
-    )
-    reopen.add_argument(
-        "--peer-gguf", type=Path, help="the GGUF the peer reads (default: $REPRISE_STARTER_GGUF)"
-    )
+    _add_peer_arguments(reopen)
     reopen.add_argument("--json", action="store_true")
     kv = bench_commands.add_parser("kv", help="KV-cache quantization: quality, memory, speed")
     kv.add_argument("--model", help="model name or folder (default: the starter model)")

@@ -4,6 +4,11 @@ Both run the same model folder on the same prompt tokens, in one invocation:
 plain mlx-lm (`mlx_lm.load` + `stream_generate`) in a child process that has
 nothing of Reprise in it, then the engine in this process. Figures are tokens
 per second, and the ratio engine / plain.
+
+`--context N ...` adds long prompts: the engine's prefill of N tokens and its
+decode after them, with its numpy attention and with mlx's own (the
+`cpu_attention` switch), and with `--peer llama.cpp` llama.cpp's prefill and
+decode on the same GGUF and tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from app.engine import loading, models
+from app.bench import llama_cpp_peer
+from app.engine import cpu_attention, loading, models
 from app.engine.chat import ChatSession
 from app.engine.generation import SamplingSettings, TurnFinished
 from app.resource_files import resource
@@ -66,12 +72,33 @@ def measure_engine(loaded: loading.LoadedModel, prompt: list[int]) -> dict:
     }
 
 
-def run(model: str | None, count: int) -> dict:
+def measure_context(loaded: loading.LoadedModel, prompt: list[int], gguf: Path | None) -> dict:
+    """One long prompt: the engine with numpy attention and with mlx's, then llama.cpp."""
+    row: dict = {"context": len(prompt)}
+    for name, numpy_attention in (("engine", True), ("engine_mlx_attention", False)):
+        cpu_attention.enabled = numpy_attention
+        try:
+            row[name] = measure_engine(loaded, prompt)
+        finally:
+            cpu_attention.enabled = True
+    if gguf is not None:
+        row["llama_cpp"] = llama_cpp_peer.speed(gguf, prompt, DECODE_TOKENS)
+        row["decode_vs_llama_cpp"] = row["engine"]["decode_tps"] / row["llama_cpp"]["decode_tps"]
+    return row
+
+
+def run(
+    model: str | None, count: int, contexts=(), gguf: Path | None = None, report=print
+) -> dict:
     model_dir = models.resolve(model, paths.models_dir())
     loaded = loading.load(model_dir)
     prompt = prompt_tokens(loaded.tokenizer, count)
     plain = measure_plain(model_dir, prompt)
     engine = measure_engine(loaded, prompt)
+    long_rows = []
+    for context in contexts:
+        long_rows.append(measure_context(loaded, prompt_tokens(loaded.tokenizer, context), gguf))
+        report(context_text(long_rows[-1]))  # each length as soon as it is measured
     return {
         "model": model_dir.name,
         "compute": loaded.compute.describe(),
@@ -79,11 +106,29 @@ def run(model: str | None, count: int) -> dict:
         "engine": engine,
         "prefill_ratio": engine["prefill_tps"] / plain["prefill_tps"],
         "decode_ratio": engine["decode_tps"] / plain["decode_tps"],
+        "contexts": long_rows,
     }
 
 
+def context_text(row: dict) -> str:
+    parts = [f"{row['context']:>7} tokens"]
+    for name, label in (
+        ("engine", "engine"),
+        ("engine_mlx_attention", "mlx attention"),
+        ("llama_cpp", "llama.cpp"),
+    ):
+        if name in row:
+            r = row[name]
+            parts.append(f"{label}: prefill {r['prefill_tps']:.1f}, decode {r['decode_tps']:.1f}")
+    return "   ".join(parts) + " tok/s"
+
+
 def main(args: argparse.Namespace) -> int:
-    result = run(args.model, args.prompt_tokens)
+    gguf = llama_cpp_peer.gguf_for(args.peer, args.peer_gguf)
+    def report(line: str) -> None:
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    result = run(args.model, args.prompt_tokens, args.context or (), gguf, report)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

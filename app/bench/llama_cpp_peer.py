@@ -13,10 +13,13 @@ Needs llama-cpp-python (a bench extra, not a dependency: `pip install llama-cpp-
 from __future__ import annotations
 
 import ctypes
+import os
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from app.engine.errors import UserError
 
 
 def available() -> bool:
@@ -25,6 +28,37 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def gguf_for(peer: str | None, path: Path | None) -> Path | None:
+    """The GGUF `--peer llama.cpp` reads (`--peer-gguf`, else $REPRISE_STARTER_GGUF), or
+    None without `--peer`; a clear error when llama.cpp or the file is missing."""
+    if peer is None:
+        return None
+    if not available():
+        raise UserError("--peer llama.cpp needs llama-cpp-python: pip install llama-cpp-python")
+    gguf = path or os.environ.get("REPRISE_STARTER_GGUF")
+    if not gguf or not Path(gguf).is_file():
+        raise UserError("--peer llama.cpp reads a GGUF: give it with --peer-gguf PATH")
+    return Path(gguf)
+
+
+def threads() -> int:
+    return os.cpu_count() or 1
+
+
+def speed(gguf: Path, prompt: Sequence[int], decode_tokens: int) -> dict:
+    """llama.cpp's prefill of `prompt` and its greedy decode of `decode_tokens` after
+    it, in tokens per second (what `bench cpu` puts beside the engine's)."""
+    llm = _context(gguf, len(prompt) + decode_tokens + 16, threads())
+    started = time.perf_counter()
+    token = _first_token(llm, prompt)
+    prefill_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(decode_tokens):
+        token = _first_token(llm, [token])
+    decode_s = time.perf_counter() - started
+    return {"prefill_tps": len(prompt) / prefill_s, "decode_tps": decode_tokens / decode_s}
 
 
 def _context(gguf: Path, n_ctx: int, threads: int):

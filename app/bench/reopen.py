@@ -28,7 +28,6 @@ from app.bench import llama_cpp_peer
 from app.engine import loading, models
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
-from app.engine.errors import UserError
 from app.engine.generation import SamplingSettings
 from app.resource_files import resource
 from sessions import paths
@@ -156,16 +155,12 @@ def main(args: argparse.Namespace) -> int:
 
 def _peer(args: argparse.Namespace):
     """The llama.cpp measurement for `--peer llama.cpp`, or None."""
-    if args.peer is None:
+    gguf = llama_cpp_peer.gguf_for(args.peer, args.peer_gguf)
+    if gguf is None:
         return None
-    if not llama_cpp_peer.available():
-        raise UserError("--peer llama.cpp needs llama-cpp-python: pip install llama-cpp-python")
-    gguf = args.peer_gguf or os.environ.get("REPRISE_STARTER_GGUF")
-    if not gguf or not Path(gguf).is_file():
-        raise UserError("--peer llama.cpp reads a GGUF: give it with --peer-gguf PATH")
 
     def run(history: list[int], new: list[int]) -> dict:
-        return llama_cpp_peer.measure(Path(gguf), history, new, os.cpu_count() or 1)
+        return llama_cpp_peer.measure(gguf, history, new, llama_cpp_peer.threads())
 
     return run
 

@@ -1,22 +1,25 @@
-"""Attention on the CPU path, computed with numpy.
+"""Attention on the CPU path, its softmax computed with numpy.
 
 Why: on a Linux CPU the engine runs float32 weights through OpenBLAS, so the
 matmuls are fast, but mlx's CPU element-wise kernels are not vectorised in
 the Linux wheel: `mx.exp` over the 19M scores of one layer's 512-token
 prefill step at 4k context took 356 ms where numpy's took 13-23 ms, and the
-softmax was most of a long prompt's prefill. numpy reads the same memory
-(mlx arrays export their buffers without a copy) and its exp, max and sum are
-SIMD code; its matmuls go through its own OpenBLAS.
+softmax was most of a long prompt's prefill.
 
-The maths is the plain one (scores, the causal or given mask, a softmax
-shifted by the row maximum, the weighted values), in blocks of query rows
-so that the scores of one block stay small whatever the context length.
+How: the two products stay in mlx (its OpenBLAS, its allocator); the scores
+are evaluated and numpy works on them in place, through the buffer mlx
+exports without a copy: the causal mask, the shift by the row maximum, the
+exp and the row sums. The scores array is fresh (made by the matmul just
+before, referenced nowhere else), so writing into it changes nothing any
+other array holds. The division by the sums comes after the values product,
+on the smaller array. Query rows go in blocks, so that one block's scores
+stay small whatever the context length.
+
 `mx.fast.scaled_dot_product_attention` stays the reference (tests compare the
 two) and the path everywhere else: on a GPU, for half-precision arrays (whose
-arithmetic numpy would widen anyway) and for attention sinks.
-
-Each call evaluates its inputs: the graph is cut at every attention layer.
-On the CPU that costs less than it saves (measured in `reprise bench cpu`).
+arithmetic numpy would widen anyway) and for attention sinks. Each call
+evaluates its inputs, cutting the graph at every attention layer; on the CPU
+that costs less than it saves (`reprise bench cpu --context`).
 """
 
 from __future__ import annotations
@@ -49,32 +52,31 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     """What `mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
     mask=mask)` gives, for grouped-query heads, `mask` None, "causal" or an array
     (boolean: True attends; otherwise added to the scores)."""
-    mx.eval(queries, keys, values, *([mask] if isinstance(mask, mx.array) else []))
     batch, heads, rows, dim = queries.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    q = np.asarray(queries).reshape(batch, kv_heads, group, rows, dim)
-    k = np.asarray(keys)[:, :, None]
-    v = np.asarray(values)[:, :, None]
+    q = (queries * scale).reshape(batch, kv_heads, group, rows, dim)
     given = _given_mask(mask, kv_heads, group)
     causal = isinstance(mask, str) and rows > 1
-    out = np.empty((batch, kv_heads, group, rows, v.shape[-1]), np.float32)
     step = max(1, _BLOCK_BYTES // (4 * batch * heads * length))
+    blocks = []
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         # Under a causal mask the block's last row sees keys up to length - rows + stop.
         visible = length - rows + stop if causal else length
-        scores = np.matmul(q[:, :, :, start:stop] * np.float32(scale), _keys_t(k, visible))
+        block_q = q[:, :, :, start:stop].reshape(batch, kv_heads, -1, dim)
+        scores = block_q @ keys[..., :visible, :].swapaxes(-1, -2)
+        mx.eval(scores)
+        shaped = np.asarray(scores).reshape(batch, kv_heads, group, stop - start, visible)
         if causal:
-            _hide_future(scores, length - rows + start)
+            _hide_future(shaped, length - rows + start)
         elif given is not None:
-            _apply(scores, given[..., start:stop, :])
-        out[:, :, :, start:stop] = _softmax_times(scores, v[..., :visible, :])
-    return mx.array(out.reshape(batch, heads, rows, -1))
-
-
-def _keys_t(k: np.ndarray, visible: int) -> np.ndarray:
-    return k[..., :visible, :].swapaxes(-1, -2)
+            _apply(shaped, given[..., start:stop, :])
+        totals = _exp_in_place(shaped)
+        out = (scores @ values[..., :visible, :]) / mx.array(totals.reshape(*scores.shape[:-1], 1))
+        blocks.append(out.reshape(batch, kv_heads, group, stop - start, -1))
+    out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=3)
+    return out.reshape(batch, heads, rows, -1)
 
 
 def _hide_future(scores: np.ndarray, first_position: int) -> None:
@@ -93,18 +95,15 @@ def _apply(scores: np.ndarray, mask: np.ndarray) -> None:
         scores += mask
 
 
-def _softmax_times(scores: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """softmax(scores) @ v, shifting by the row maximum; the division comes after the
-    product, on the smaller array."""
+def _exp_in_place(scores: np.ndarray) -> np.ndarray:
+    """scores -> exp(scores - row maximum), in place; the row sums."""
     top = scores.max(axis=-1, keepdims=True)
     top[~np.isfinite(top)] = 0  # a row that sees nothing gives zeros, not NaN
     np.subtract(scores, top, out=scores)
     np.exp(scores, out=scores)
-    total = scores.sum(axis=-1, keepdims=True)
-    total[total == 0] = 1
-    out = np.matmul(scores, v)
-    out /= total
-    return out
+    totals = scores.sum(axis=-1, keepdims=True)
+    totals[totals == 0] = 1
+    return totals
 
 
 def _given_mask(mask, kv_heads: int, group: int) -> np.ndarray | None:
