@@ -53,7 +53,8 @@ class MainWindow(QMainWindow):
     regenerate_requested = Signal(int)
     edit_requested = Signal(int, str)
     continue_requested = Signal(int)  # an assistant message
-    context_requested = Signal(int, str)  # conversation (NEW_CONVERSATION: none), draft
+    context_requested = Signal(int, str, int)  # conversation (NEW_CONVERSATION: none), draft,
+    # and the message the draft replaces (an edit; 0: none)
     rename_requested = Signal(int, str)
     delete_requested = Signal(int)
     branch_requested = Signal(int, int)  # conversation, message
@@ -158,6 +159,7 @@ class MainWindow(QMainWindow):
         worker.text_delta.connect(self.chat.add_text)
         worker.text_delta.connect(self.status.on_first_text)
         worker.text_delta.connect(self.status.on_text)
+        worker.text_delta.connect(self.meter.on_text)
         worker.prompt_progress.connect(self.status.on_prompt_progress)
         worker.finished.connect(self.on_finished)
         worker.saved.connect(self.on_saved)
@@ -264,11 +266,15 @@ class MainWindow(QMainWindow):
         if self.generating or not self.models.ready:
             return
         draft = self.composer.edit.toPlainText()
-        self.context_requested.emit(self.conversation_id or NEW_CONVERSATION, draft)
+        self._count(draft, self.composer.editing)
+
+    def _count(self, draft: str, before: int | None) -> None:
+        self.context_requested.emit(self.conversation_id or NEW_CONVERSATION, draft, before or 0)
 
     @Slot(object)
     def on_context_counted(self, use: ContextUse) -> None:
-        self.meter.show_if_current(use, self.conversation_id, self.composer.edit.toPlainText())
+        draft, editing = self.composer.edit.toPlainText(), self.composer.editing
+        self.meter.show_if_current(use, self.conversation_id, draft, editing)
 
     @Slot()
     def send_in_new_chat(self) -> None:
@@ -281,13 +287,14 @@ class MainWindow(QMainWindow):
             self.composer.edit.setPlainText(text)  # kept: the meter says why and what to do
             return
         self.chat.append_streaming(RenderedMessage(-1, "user", text))
-        self._start_turn()
+        self._start_turn(text)
         self.send_requested.emit(self.conversation_id or NEW_CONVERSATION, text)
 
     def regenerate(self) -> None:
-        if self.chat.messages and self.chat.messages[-1].role == "assistant":
+        last = self.chat.messages[-1] if self.chat.messages else None
+        if last is not None and last.role == "assistant":
             self.chat.show_messages(self.chat.messages[:-1])  # drawn again, without it
-        self._start_turn()
+        self._start_turn("", last.id if last is not None and last.id > 0 else None)
         self.regenerate_requested.emit(self.conversation_id)
 
     def continue_reply(self, message_id: int) -> None:
@@ -298,6 +305,7 @@ class MainWindow(QMainWindow):
         last.state, last.cut = "streaming", False
         self.chat.redraw_last(scroll_to_end=True)
         self.status.begin()
+        self._count_turn("")
         self.continue_requested.emit(message_id)
 
     def edit(self, message_id: int) -> None:
@@ -309,15 +317,24 @@ class MainWindow(QMainWindow):
         ids = [m.id for m in self.chat.messages]
         self.chat.show_messages(self.chat.messages[: ids.index(message_id)])
         self.chat.append_streaming(RenderedMessage(-1, "user", text))
-        self._start_turn()
+        self._start_turn(text, message_id)
         self.edit_requested.emit(message_id, text)
 
-    def _start_turn(self) -> None:
+    def _start_turn(self, text: str = "", before: int | None = None) -> None:
+        """A reply to `text` (in place of message `before`) is coming: show its place."""
         self.chat.append_streaming(RenderedMessage(-2, "assistant", "", state="streaming"))
         self.status.begin()
+        self._count_turn(text, before)
         if not self.models.ready:
             # The worker answers once the model it is loading is in (requests are queued).
             self.status.say("Waiting for the model to load…")
+
+    def _count_turn(self, text: str, before: int | None = None) -> None:
+        """Count what the turn sends, before it is sent (the worker answers in order):
+        the meter adds the reply to it as it streams."""
+        self.meter.begin_reply(text, before)
+        if self.models.ready:
+            self._count(text, before)
 
     @Slot(str, int)
     def on_chat_action(self, verb: str, message_id: int) -> None:
@@ -347,6 +364,7 @@ class MainWindow(QMainWindow):
         self.composer.set_generating(busy)
         self.status.on_busy(busy)
         if not busy:
+            self.meter.end_reply()
             self.ask_context()  # the chat changed: count it again
 
     @Slot(object)
