@@ -35,7 +35,8 @@ def step_chat(window: MainWindow, step: int) -> None:
     """Show the next (1) or previous (-1) chat of the sidebar's list."""
     chats = window.sidebar.list
     if chats.count() and not window.generating:
-        row = chats.currentRow()
+        shown = chats.selectedItems()  # the current row may only hold the focus
+        row = chats.row(shown[0]) if shown else -1
         chats.setCurrentRow(0 if row < 0 else max(0, min(chats.count() - 1, row + step)))
 
 

@@ -43,6 +43,7 @@ class ChatColours:
     link: str = "#1a5fb4"
     warning: str = "#a33a3a"  # Stopped, Interrupted, Cut
     code_style: str = "default"  # a Pygments style; every token 4.5:1 on code_bg
+    focus: str = "#1a5fb4"  # the focus ring: 3:1 on every background it is drawn on
 
 
 LIGHT_CHAT = ChatColours()

@@ -98,9 +98,7 @@ class ResultDelegate(QStyledItemDelegate):
         document.setTextWidth(width)
         return document
 
-    def paint(
-        self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex
-    ) -> None:
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex) -> None:
         if not index.data(MARKED_ROLE):
             super().paint(painter, option, index)
             return
@@ -170,7 +168,9 @@ class Sidebar(QWidget):
         self.setMinimumWidth(220)
         self.new_button.clicked.connect(self.new_requested)
         self.search.textChanged.connect(self.search_changed)
-        self.list.currentItemChanged.connect(self._selected)
+        # Selected, not made current: Tab into the list makes its first row current
+        # (to show the focus there) and must not open that chat.
+        self.list.itemSelectionChanged.connect(self._selected)
         self.list.customContextMenuRequested.connect(self._menu)
 
     def show_conversations(self, entries: list[SidebarEntry], current: int | None) -> None:
@@ -206,9 +206,10 @@ class Sidebar(QWidget):
                 self.list.setCurrentRow(row)
         self.list.blockSignals(False)
 
-    def _selected(self, item: QListWidgetItem | None) -> None:
-        if item is not None:
-            self.conversation_selected.emit(item.data(Qt.ItemDataRole.UserRole))
+    def _selected(self) -> None:
+        items = self.list.selectedItems()
+        if items:
+            self.conversation_selected.emit(items[0].data(Qt.ItemDataRole.UserRole))
 
     def _menu(self, position) -> None:
         item = self.list.itemAt(position)
