@@ -86,7 +86,7 @@ def test_while_editing_the_meter_counts_the_chat_before_the_edited_message(
     window.composer.edit.clear()
     send(qtbot, window, "Now say goodbye, at some length please.", greedy_tokens=24)
     second_question = window.chat.messages[2].id
-    window.on_chat_action("edit", second_question)
+    window.turns.on_chat_action("edit", second_question)
     window.composer.edit.setPlainText(WORDS)
     qtbot.waitUntil(
         lambda: window.meter.use is not None and window.meter.use.before == second_question,

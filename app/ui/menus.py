@@ -51,7 +51,7 @@ def step_chat(window: MainWindow, step: int) -> None:
 def regenerate_last(window: MainWindow) -> None:
     last = window.chat.messages[-1] if window.chat.messages else None
     if last is not None and last.role == "assistant" and not window.generating:
-        window.on_chat_action("regenerate", 0)
+        window.turns.on_chat_action("regenerate", 0)
 
 
 def stop_reply(window: MainWindow) -> None:
