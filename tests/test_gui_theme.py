@@ -202,6 +202,12 @@ def test_a_message_action_reached_by_tab_has_a_ring(qtbot, name):
     view.activateWindow()
     qtbot.waitUntil(view.isActiveWindow, timeout=5_000)
     view.setFocus()
+    focused = ring_pixels(view, view.colours.focus)
+    view.clearFocus()
+    # Focus on the chat: a ring round it, two pixels wide.
+    edge = 2 * (view.width() + view.height())
+    assert focused - ring_pixels(view, view.colours.focus) >= 2 * edge - 16
+    view.setFocus()
     before = ring_pixels(view.viewport(), view.colours.focus)
     view.focusNextPrevChild(True)  # what Tab does inside the chat: the first link
     assert view.textCursor().selectedText() == "Copy"
@@ -209,3 +215,9 @@ def test_a_message_action_reached_by_tab_has_a_ring(qtbot, name):
     assert link is not None
     after = ring_pixels(view.viewport(), view.colours.focus)
     assert after - before >= 2 * (link.width() + link.height())  # a ring all round it
+    view.focusNextPrevChild(True)
+    edit = view.focused_link_rect()
+    view.focusNextPrevChild(True)  # the reply's Copy; Shift+Tab goes back to Edit
+    view.focusNextPrevChild(False)
+    assert view.textCursor().selectedText() == "Edit"
+    assert edit is not None and view.focused_link_rect() == edit

@@ -147,24 +147,30 @@ class ChatView(QTextBrowser):
         self._refresh.setInterval(max(_STREAM_REFRESH_MS, 2 * spent_ms))
 
     def paintEvent(self, event: QPaintEvent) -> None:
-        """The text, then a ring around the link that has the keyboard focus (Qt's own
-        mark is a dotted outline of one pixel, hard to see)."""
+        """The text, then, with the keyboard focus, a ring at the edge and one around
+        the link that has it (Qt's own mark is a dotted outline of one pixel)."""
         super().paintEvent(event)
+        if not self.hasFocus():
+            return
+        painter = QPainter(self.viewport())
+        ring = QColor(self.colours.focus)
+        # The frame's ring is one pixel wide here (the text covers the rest): one more.
+        draw_ring(painter, self.viewport().rect(), ring, None, width=1)
         link = self.focused_link_rect()
         if link is not None:
-            painter = QPainter(self.viewport())
-            ring = QColor(self.colours.focus)
             draw_ring(painter, link, ring, ring)
-            painter.end()
+        painter.end()
 
     def focused_link_rect(self) -> QRect | None:
         """Where the link that Tab moved to is, on screen; None when there is none."""
         cursor = self.textCursor()
-        if not self.hasFocus() or not cursor.hasSelection() or not cursor.charFormat().isAnchor():
+        if not self.hasFocus() or not cursor.hasSelection():
             return None
         start, end = QTextCursor(cursor), QTextCursor(cursor)
         start.setPosition(cursor.selectionStart())
         end.setPosition(cursor.selectionEnd())
+        if not end.charFormat().isAnchor():  # the format of the last character selected
+            return None
         first, last = self.cursorRect(start), self.cursorRect(end)
         if first.top() != last.top():  # a link cut over two lines: no ring
             return None

@@ -23,7 +23,7 @@ from PySide6.QtGui import (
     QPen,
 )
 from PySide6.QtWidgets import (
-    QAbstractItemView,
+    QAbstractScrollArea,
     QApplication,
     QProxyStyle,
     QStyle,
@@ -137,16 +137,20 @@ def palette(theme: Theme) -> QPalette:
 FOCUS_RING = 2  # pixels of the focus colour, then one of the base colour inside
 
 
-def draw_ring(painter: QPainter, rect: QRect, ring: QColor, base: QColor) -> None:
+def draw_ring(
+    painter: QPainter, rect: QRect, ring: QColor, base: QColor | None, width: int = FOCUS_RING
+) -> None:
     """A focus ring just inside `rect`: it shows on a plain background and, by its inner
     line of the base colour, on a selected (highlighted) one as well."""
     painter.save()
     painter.setRenderHint(QPainter.RenderHint.Antialiasing, False)
     painter.setBrush(Qt.BrushStyle.NoBrush)
     edge = rect.adjusted(0, 0, -1, -1)
-    for width, colour in ((FOCUS_RING, ring), (1, base)):
+    for lines, colour in ((width, ring), (1, base)):
+        if colour is None:
+            continue
         painter.setPen(QPen(colour, 1))
-        for _ in range(width):
+        for _ in range(lines):
             painter.drawRect(edge)
             edge = edge.adjusted(1, 1, -1, -1)
     painter.restore()
@@ -154,10 +158,10 @@ def draw_ring(painter: QPainter, rect: QRect, ring: QColor, base: QColor) -> Non
 
 class FocusStyle(QProxyStyle):
     """The platform's style, with a focus mark a user can see. Fusion's is a faint line
-    one pixel wide, and a list shows none for its own focus; here the focused thing
-    (a link in the chat, a row, a list) gets a ring of the theme's focus colour, with a
-    line of the base colour inside it, so that it shows on a plain background and on a
-    selected (highlighted) row alike."""
+    one pixel wide, and a list or the chat shows none for its own focus; here the
+    focused thing (a row, a list, the chat, the message box) gets a ring of the theme's
+    focus colour, with a line of the base colour inside it, so that it shows on a plain
+    background and on a selected (highlighted) row alike."""
 
     def __init__(self) -> None:
         super().__init__(QStyleFactory.create(QApplication.style().name()))
@@ -176,7 +180,7 @@ class FocusStyle(QProxyStyle):
             return
         super().drawPrimitive(element, option, painter, widget)
         framed = element == QStyle.PrimitiveElement.PE_Frame
-        if framed and isinstance(widget, QAbstractItemView) and widget.hasFocus():
+        if framed and isinstance(widget, QAbstractScrollArea) and widget.hasFocus():
             draw_ring(painter, option.rect, self.ring, base)
 
 
