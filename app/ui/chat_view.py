@@ -158,7 +158,7 @@ class ChatView(QTextBrowser):
         draw_ring(painter, self.viewport().rect(), ring, None, width=1)
         link = self.focused_link_rect()
         if link is not None:
-            draw_ring(painter, link, ring, ring)
+            draw_ring(painter, link, ring, None)
         painter.end()
 
     def focused_link_rect(self) -> QRect | None:

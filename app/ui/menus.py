@@ -154,7 +154,11 @@ def shortcuts_dialog(window: MainWindow) -> QDialog:
         table.setItem(row, 0, QTableWidgetItem(keys))
         table.setItem(row, 1, QTableWidgetItem(does))
     table.resizeColumnsToContents()
+    table.resizeRowsToContents()
     table.horizontalHeader().setStretchLastSection(True)
+    # Every row in view, no scrolling, as far as the screen allows.
+    whole = table.horizontalHeader().sizeHint().height() + table.verticalHeader().length()
+    table.setMinimumHeight(min(whole + 2 * table.frameWidth(), 640))
     buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
     dialog = QDialog(window)
     dialog.setWindowTitle("Keyboard shortcuts")
@@ -164,7 +168,7 @@ def shortcuts_dialog(window: MainWindow) -> QDialog:
     layout.addWidget(buttons)
     buttons.rejected.connect(dialog.reject)
     width = sum(table.columnWidth(c) for c in range(2)) + 4 * table.frameWidth() + 40
-    dialog.resize(min(width, 900), 520)
+    dialog.resize(min(width, 900), dialog.sizeHint().height())
     return dialog
 
 

@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
 SNIPPET_CHARS = 60
 ELSEWHERE = "(on another branch)"
 MARKED_ROLE = Qt.ItemDataRole.UserRole + 1  # a result's lines as HTML, the match in bold
-_PADDING = 4  # around a marked result's text, as Fusion leaves around an item's
+_PADDING = 4  # around a row's text: the focus ring (3 pixels) goes there
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,8 @@ class ResultDelegate(QStyledItemDelegate):
         self, option: QStyleOptionViewItem, index: QModelIndex | QPersistentModelIndex
     ) -> QSize:
         size = super().sizeHint(option, index)
-        if not index.data(MARKED_ROLE):
-            return size
+        if not index.data(MARKED_ROLE):  # room for the focus ring above and below the text
+            return QSize(size.width(), size.height() + 2 * _PADDING)
         item = QStyleOptionViewItem(option)
         self.initStyleOption(item, index)
         if item.widget is not None:

@@ -167,6 +167,12 @@ class FocusStyle(QProxyStyle):
         super().__init__(QStyleFactory.create(QApplication.style().name()))
         self.ring = QColor(LIGHT_CHAT.focus)
 
+    def pixelMetric(self, metric: QStyle.PixelMetric, option=None, widget=None) -> int:
+        value = super().pixelMetric(metric, option, widget)
+        if metric == QStyle.PixelMetric.PM_FocusFrameHMargin:  # a row's text: clear of the ring
+            return max(value, FOCUS_RING + 2)
+        return value
+
     def drawPrimitive(
         self,
         element: QStyle.PrimitiveElement,
