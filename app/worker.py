@@ -198,13 +198,15 @@ class EngineWorker(QObject):
     def continue_reply(self, message_id: int) -> None:
         self._run(lambda: self.service().continue_reply(message_id, should_stop=self._stop.is_set))
 
-    @Slot(int, str)
-    def count_context(self, conversation_id: int, draft: str) -> None:
-        """The chat's and the draft's tokens (the tokenizer lives here, with the model)."""
+    @Slot(int, str, int)
+    def count_context(self, conversation_id: int, draft: str, before: int = 0) -> None:
+        """The chat's and the draft's tokens (the tokenizer lives here, with the model);
+        `before` (0: none) counts the chat only up to that message, as an edit sends it."""
         cid = None if conversation_id == NEW_CONVERSATION else conversation_id
+        until = before or None
         self._attempt(
             "Counting tokens",
-            lambda: self.context_counted.emit(self.service().context_use(cid, draft)),
+            lambda: self.context_counted.emit(self.service().context_use(cid, draft, until)),
         )
 
     @Slot(int)

@@ -116,19 +116,19 @@ def test_regenerate_and_edit_make_branches(qtbot, open_window, monkeypatch):
     send(qtbot, window, "Name a colour.")
     first_reply = window.chat.messages[-1].id
     prefer(window, temperature=1.0)
-    window.on_chat_action("regenerate", 0)
+    window.turns.on_chat_action("regenerate", 0)
     # While the new reply streams, the question shows once (the old reply's place redrawn).
     assert window.chat.toPlainText().count("Name a colour.") == 1
     wait_reply(qtbot, window)
     assert window.chat.messages[-1].branch == (2, 2)
     assert "2/2" in window.chat.toPlainText()
-    window.on_chat_action("branch-prev", window.chat.messages[-1].id)
+    window.turns.on_chat_action("branch-prev", window.chat.messages[-1].id)
     qtbot.waitUntil(lambda: window.chat.messages[-1].id == first_reply, timeout=5_000)
 
     user = window.chat.messages[0].id
     # Edit puts the message in the composer, in place of the draft the user was typing.
     window.composer.edit.setPlainText("a draft")
-    window.on_chat_action("edit", user)
+    window.turns.on_chat_action("edit", user)
     assert window.composer.edit.toPlainText() == "Name a colour."
     assert window.composer.banner.isVisibleTo(window) and window.composer.button.text() == "Save"
     window.composer.edit.setPlainText("Name a fruit.")
@@ -146,7 +146,7 @@ def test_esc_leaves_an_edit_and_gives_the_draft_back(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Name a colour.", greedy_tokens=4)
     window.composer.edit.setPlainText("half a thought")
-    window.on_chat_action("edit", window.chat.messages[0].id)
+    window.turns.on_chat_action("edit", window.chat.messages[0].id)
     qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
     assert window.composer.edit.toPlainText() == "half a thought"
     assert window.composer.editing is None and window.composer.button.text() == "Send"
@@ -286,7 +286,7 @@ def test_closing_during_a_reply_stops_it_and_saves(qtbot, open_window):
 def test_a_slow_start_shows_a_busy_bar_until_text_arrives(qtbot, open_window):
     window = open_window()
     window.on_busy(True)
-    window._start_turn()
+    window.turns.start()
     progress = window.status.progress
     qtbot.waitUntil(lambda: progress.isVisible(), timeout=5_000)  # after half a second
     assert progress.format() == "Preparing…" and progress.maximum() == 0

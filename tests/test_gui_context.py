@@ -3,7 +3,14 @@ message that will not fit is stopped before it is sent, with a way forward."""
 
 from __future__ import annotations
 
-from test_gui import READY_MS, library, open_window, prefer, send  # noqa: F401
+from test_gui import (  # noqa: F401
+    READY_MS,
+    library,
+    open_window,
+    prefer,
+    send,
+    start_long_reply,
+)
 
 WORDS = " ".join(f"word{i}" for i in range(12))  # about 40 tokens
 
@@ -66,3 +73,55 @@ def test_a_message_that_overflows_the_chat_goes_to_a_new_one(qtbot, open_window)
     qtbot.waitUntil(lambda: window.chat.messages[-1].id > 0, timeout=READY_MS)
     assert window.chat.messages[0].content == WORDS
     assert len(window.store.get(first).messages) == 2  # the first chat as it was
+
+
+def test_while_editing_the_meter_counts_the_chat_before_the_edited_message(
+    qtbot,
+    open_window,  # noqa: F811
+):
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=8)
+    window.composer.edit.setPlainText(WORDS)
+    first_exchange = wait_meter(qtbot, window, WORDS)
+    window.composer.edit.clear()
+    send(qtbot, window, "Now say goodbye, at some length please.", greedy_tokens=24)
+    second_question = window.chat.messages[2].id
+    window.turns.on_chat_action("edit", second_question)
+    window.composer.edit.setPlainText(WORDS)
+    qtbot.waitUntil(
+        lambda: window.meter.use is not None and window.meter.use.before == second_question,
+        timeout=READY_MS,
+    )
+    use = window.meter.use
+    # The edited message and its reply are not counted: the draft takes their place.
+    assert (use.conversation, use.draft) == (first_exchange.conversation, first_exchange.draft)
+    assert window.meter.label.text().startswith(f"Context: {use.conversation:,} tokens + ")
+    window.composer.cancel_edit()  # the whole chat counts again
+    qtbot.waitUntil(
+        lambda: window.meter.use.before is None and window.meter.use.draft_text == "",
+        timeout=READY_MS,
+    )
+    assert window.meter.use.conversation > first_exchange.conversation + first_exchange.draft
+
+
+def live_count(window) -> int | None:
+    text = window.meter.label.text()
+    if "≈" not in text:
+        return None
+    return int(text.split("≈")[1].split()[0].replace(",", ""))
+
+
+def test_the_meter_counts_a_streaming_reply_as_it_comes(qtbot, open_window):  # noqa: F811
+    window = open_window()
+    start_long_reply(qtbot, window)
+    qtbot.waitUntil(lambda: live_count(window) is not None, timeout=READY_MS)
+    first = live_count(window)
+    assert "with the reply so far" in window.meter.label.text()
+    qtbot.waitUntil(lambda: live_count(window) > first + 5, timeout=READY_MS)
+    window.composer.button.click()  # Stop
+    qtbot.waitUntil(lambda: not window.generating, timeout=READY_MS)
+    use = wait_meter(qtbot, window, "")
+    last = window.store.get(window.conversation_id).messages[-1]
+    # Finished: the exact count, the whole reply in it.
+    assert window.meter.label.text() == f"Context: {use.conversation:,} tokens of {use.limit:,}"
+    assert use.conversation >= first + last.stats["generated_tokens"] - 5

@@ -23,7 +23,7 @@ def test_a_cut_reply_is_marked_and_continues_in_place(qtbot, open_window):  # no
 
     prefer(window, temperature=0.0, max_tokens=12)
     with qtbot.waitSignal(window.engine.worker.finished, timeout=READY_MS):
-        window.on_chat_action("continue", cut.id)
+        window.turns.on_chat_action("continue", cut.id)
     wait_reply(qtbot, window)
     stored = window.store.get(window.conversation_id).messages
     assert [m.role for m in stored] == ["user", "assistant"]  # the same reply, longer

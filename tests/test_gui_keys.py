@@ -3,9 +3,9 @@ all listed in the Help menu."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import QInputDialog
+from PySide6.QtWidgets import QApplication, QInputDialog, QTableWidget
 from test_gui import READY_MS, library, open_window, prefer, send, wait_reply  # noqa: F401
 
 from app import __version__
@@ -85,6 +85,33 @@ def test_the_help_menu_lists_the_shortcuts_and_the_version(qtbot, open_window): 
         assert line in listed
     assert f"Reprise {__version__}" in about_text()
     assert window.windowTitle() == f"Reprise {__version__}"
+
+
+def test_the_shortcuts_are_a_table_of_keys_and_what_they_do(qtbot, open_window):  # noqa: F811
+    window = active(qtbot, open_window())
+    shown = []
+
+    def look() -> None:
+        dialog = QApplication.activeModalWidget()
+        table = dialog.findChild(QTableWidget) if dialog else None
+        if table is not None:
+            cells = [
+                [table.item(r, c).text() for c in range(table.columnCount())]
+                for r in range(table.rowCount())
+            ]
+            longest = max(table.fontMetrics().horizontalAdvance(keys) for keys, _ in cells)
+            shown.append((cells, table.columnWidth(0), longest))
+        dialog.reject()
+
+    QTimer.singleShot(300, look)
+    window.menuBar().actions()[-1].menu().actions()[0].trigger()  # Help → Keyboard shortcuts
+    assert shown, "no table of shortcuts"
+    cells, keys_width, longest = shown[0]
+    assert cells[0] == ["Tab / Shift+Tab", "Move between the message box, the chat and the sidebar"]
+    assert ["Ctrl+R", "Regenerate the last reply"] in cells
+    assert len(cells) == len(shortcut_list(window).splitlines())
+    # The keys' column holds its longest entry whole: the second column starts after it.
+    assert keys_width > longest
 
 
 def test_f2_renames_the_chat_on_screen_without_the_mouse(qtbot, open_window, monkeypatch):  # noqa: F811

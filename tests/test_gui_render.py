@@ -41,3 +41,30 @@ def test_streaming_redraws_only_the_last_message(qtbot, monkeypatch):
 def test_the_ui_bench_streams_into_the_real_window(qtbot):
     row = stream_row(10)
     assert row["messages"] == 11 and row["ticks"] > 100 and row["max_gap_ms"] >= 0
+
+
+def line_with_mark(view: ChatView) -> str:
+    [line] = [t for t in view.toPlainText().splitlines() if "▍" in t]
+    return line.strip()
+
+
+def test_the_streaming_mark_ends_the_last_line_of_text(qtbot):
+    view = ChatView()
+    qtbot.addWidget(view)
+    reply = RenderedMessage(-2, "assistant", "", state="streaming")
+    view.show_messages([RenderedMessage(1, "user", "Hi"), reply])
+    assert line_with_mark(view) == "▍"  # nothing yet: the mark alone
+    for text, last_line in (
+        ("Hello there, friend", "Hello there, friend▍"),
+        ("Two things:\n\n- one\n- two", "two▍"),
+        ("Steps:\n\n1. first\n2. second", "second▍"),
+        ("Code:\n\n```python\nx = 1\ny = 2", "y = 2▍"),  # a block still open
+        ("Code:\n\n```python\nx = 1\n```", "x = 1▍"),
+        ("<think>Let me see", "Let me see▍"),  # reasoning, no answer yet
+    ):
+        reply.content = text
+        view.redraw_last()
+        assert line_with_mark(view) == last_line, text
+    reply.state = "complete"
+    view.redraw_last()
+    assert "▍" not in view.toPlainText()

@@ -6,7 +6,11 @@ from datetime import date
 
 from test_gui import library, open_window, send  # noqa: F401
 
-from app.ui.sidebar import Sidebar, SidebarEntry, day_label, snippet
+from app.ui.reading import sidebar_entries
+from app.ui.sidebar import MARKED_ROLE, Sidebar, SidebarEntry, day_label, marked, snippet
+from sessions.cachefiles import CacheIndex
+from sessions.conversations import ConversationStore
+from sessions.db import open_db
 
 
 def test_days_read_as_a_person_says_them():
@@ -46,3 +50,47 @@ def test_a_long_title_is_cut_with_an_ellipsis_not_scrolled_sideways(qtbot):
     qtbot.waitUntil(lambda: sidebar.list.viewport().width() > 0, timeout=5_000)
     assert sidebar.list.horizontalScrollBar().maximum() == 0
     assert sidebar.list.item(0).toolTip() == title  # the whole title, on hover
+
+
+def branched_chat() -> tuple[ConversationStore, CacheIndex]:
+    """A question with two replies: the first made again, the second on screen."""
+    db = open_db()
+    store = ConversationStore(db)
+    chat = store.create("SmolLM2-135M-Instruct", title="Birds")
+    question = store.add_message(chat.id, "user", "Tell me about birds.")
+    store.add_message(chat.id, "assistant", "Albatrosses glide over the ocean.", question.id)
+    store.add_message(chat.id, "assistant", "Penguins swim in the ocean.", question.id)
+    return store, CacheIndex(db)
+
+
+def test_a_match_only_on_a_hidden_branch_says_so():
+    store, index = branched_chat()
+    [entry] = sidebar_entries(store, index, "albatrosses")
+    assert entry.elsewhere and "Albatrosses" in entry.snippet
+    [entry] = sidebar_entries(store, index, "ocean")  # on both: the one on screen
+    assert not entry.elsewhere and "swim in the ocean" in entry.snippet
+    sidebar = Sidebar()
+    sidebar.search.setText("albatrosses")
+    sidebar.show_conversations(sidebar_entries(store, index, "albatrosses"), None)
+    assert sidebar.list.item(0).text().splitlines()[2].endswith("(on another branch)")
+
+
+def test_the_matching_words_are_bold_in_the_result(qtbot):
+    assert marked("Snow <falls>; more snow", "snow") == (
+        "<b>Snow</b> &lt;falls&gt;; more <b>snow</b>"
+    )
+    sidebar = Sidebar()
+    qtbot.addWidget(sidebar)
+    sidebar.resize(260, 300)
+    sidebar.show()
+    sidebar.search.setText("snow")
+    entry = SidebarEntry(1, "Weather", None, "2026-12-04T01:00:00", "Deep snow in the hills")
+    sidebar.show_conversations([entry], None)
+    item = sidebar.list.item(0)
+    assert item.data(MARKED_ROLE) == "Deep <b>snow</b> in the hills"
+    rect = sidebar.list.visualItemRect(item)
+    assert rect.height() >= 3 * sidebar.list.fontMetrics().height()  # three lines drawn
+    bold = sidebar.list.viewport().grab(rect).toImage()
+    item.setData(MARKED_ROLE, "Deep snow in the hills")  # the same words, none bold
+    plain = sidebar.list.viewport().grab(rect).toImage()
+    assert bold != plain

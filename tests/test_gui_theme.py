@@ -6,6 +6,7 @@ import pytest
 from pygments.styles import get_style_by_name
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
+from PySide6.QtWidgets import QApplication, QLineEdit, QVBoxLayout, QWidget
 from test_gui import library, open_window  # noqa: F401
 
 from app.service.preferences import InvalidPreference, Preferences
@@ -13,6 +14,7 @@ from app.ui import theme
 from app.ui.chat_view import ChatView
 from app.ui.preferences import PreferencesDialog
 from app.ui.render import RenderedMessage
+from app.ui.sidebar import Sidebar, SidebarEntry
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
 from sessions.settings import Settings
@@ -135,3 +137,87 @@ def test_text_is_readable_in_both_themes(qapp, chosen):
     for token, style in get_style_by_name(chat.code_style):
         if style["color"] and "Whitespace" not in str(token) and "Error" not in str(token):
             assert contrast(f"#{style['color']}", chat.code_bg) >= 4.5, token
+
+
+@pytest.mark.parametrize("chosen", [theme.LIGHT, theme.DARK], ids=lambda t: t.name)
+def test_the_focus_ring_shows_on_every_background(qapp, chosen):
+    """WCAG 2.2 focus appearance: 3:1 against what is next to it. The ring's inner line
+    is the base colour, for a selected row (on the highlight colour)."""
+    palette = theme.palette(chosen)
+    chat = chosen.chat
+    grounds = [palette.color(Role.Base), palette.color(Role.Window)]
+    for ground in [*grounds, chat.user_bg, chat.assistant_bg, chat.code_bg]:
+        assert contrast(chat.focus, ground) >= 3, ground
+    assert contrast(palette.color(Role.Base), palette.color(Role.Highlight)) >= 3
+
+
+def ring_pixels(widget, colour: str) -> int:
+    image = widget.grab().toImage()
+    rgb = QColor(colour).rgb()
+    return sum(
+        image.pixel(x, y) == rgb for y in range(image.height()) for x in range(image.width())
+    )
+
+
+@pytest.mark.parametrize("name", ["light", "dark"])
+def test_tab_into_the_sidebar_shows_where_the_focus_is(qtbot, name):
+    theme.choose(name)
+    ring = theme.controller().current.chat.focus
+    box = QLineEdit()
+    sidebar = Sidebar()
+    holder = QWidget()
+    column = QVBoxLayout(holder)
+    column.addWidget(box)
+    column.addWidget(sidebar)
+    qtbot.addWidget(holder)
+    holder.resize(300, 400)
+    holder.show()
+    entries = [SidebarEntry(i, f"Chat {i}", None, "2026-12-04T01:00:00") for i in (1, 2)]
+    sidebar.show_conversations(entries, None)
+    opened = []
+    sidebar.conversation_selected.connect(opened.append)
+    holder.activateWindow()
+    qtbot.waitUntil(holder.isActiveWindow, timeout=5_000)
+    box.setFocus()
+    assert ring_pixels(sidebar.list, ring) == 0
+    for _ in range(3):  # New chat, the search box, the list
+        qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_Tab)
+    assert QApplication.focusWidget() is sidebar.list
+    # A ring round the list and its row: far more than its edge's length.
+    assert ring_pixels(sidebar.list, ring) > 2 * (sidebar.list.width() + sidebar.list.height())
+    assert opened == []  # reaching the list opens no chat; Down does
+    qtbot.keyClick(sidebar.list, Qt.Key.Key_Down)
+    assert opened == [2] or opened == [1]
+
+
+@pytest.mark.parametrize("name", ["light", "dark"])
+def test_a_message_action_reached_by_tab_has_a_ring(qtbot, name):
+    theme.choose(name)
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.resize(500, 300)
+    view.show()
+    theme.follow(view, name)
+    view.show_messages([RenderedMessage(1, "user", "Hi"), RenderedMessage(2, "assistant", "Yo")])
+    view.activateWindow()
+    qtbot.waitUntil(view.isActiveWindow, timeout=5_000)
+    view.setFocus()
+    focused = ring_pixels(view, view.colours.focus)
+    view.clearFocus()
+    # Focus on the chat: a ring round it, two pixels wide.
+    edge = 2 * (view.width() + view.height())
+    assert focused - ring_pixels(view, view.colours.focus) >= 2 * edge - 16
+    view.setFocus()
+    before = ring_pixels(view.viewport(), view.colours.focus)
+    view.focusNextPrevChild(True)  # what Tab does inside the chat: the first link
+    assert view.textCursor().selectedText() == "Copy"
+    link = view.focused_link_rect()
+    assert link is not None
+    after = ring_pixels(view.viewport(), view.colours.focus)
+    assert after - before >= 2 * (link.width() + link.height())  # a ring all round it
+    view.focusNextPrevChild(True)
+    edit = view.focused_link_rect()
+    view.focusNextPrevChild(True)  # the reply's Copy; Shift+Tab goes back to Edit
+    view.focusNextPrevChild(False)
+    assert view.textCursor().selectedText() == "Edit"
+    assert edit is not None and view.focused_link_rect() == edit

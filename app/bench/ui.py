@@ -107,7 +107,7 @@ def stream_row(messages: int) -> dict:
     window.engine.worker.failed.disconnect(window.on_failed)  # no model needed: no dialog
     window.show()
     window.show_conversation(_conversation(messages))
-    window._start_turn()
+    window.turns.start()
     ticks: list[int] = []
     clock = QElapsedTimer()
     clock.start()

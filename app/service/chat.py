@@ -38,6 +38,7 @@ class ContextUse:
     conversation: int  # tokens of the chat as the model reads it (with the system prompt)
     draft: int  # what the draft message adds
     limit: int  # the model's context, or the preference's smaller maximum
+    before: int | None = None  # counted only the messages before this one (an edit)
 
     @property
     def fits(self) -> bool:
@@ -152,25 +153,31 @@ class ChatService:
         kv = (prefs or self.preferences()).turn_options().kv
         return self._engine().prefetch(conversation_id, kv)
 
-    def context_use(self, conversation_id: int | None, draft: str) -> ContextUse:
-        """Count the chat (None: a new one) and the draft with the model's tokenizer."""
+    def context_use(
+        self, conversation_id: int | None, draft: str, before: int | None = None
+    ) -> ContextUse:
+        """Count the chat (None: a new one) and the draft with the model's tokenizer.
+        With `before` (a message being edited, or a reply being made again), the chat
+        counts only the messages before it: the draft takes its place."""
         engine = self._engine()
         prefs = self.preferences()
         chat, system = [], prefs.system_prompt or None
         if conversation_id is not None:
             conversation = self.store.get(conversation_id)
             leaf = conversation.current_message_id
+            if before is not None:
+                leaf = self.store.message(before).parent_id
             chat = [{"role": m.role, "content": m.content} for m in self.store.branch(leaf)]
             system = conversation.system_for(system)
-        before = len(engine.session.render(chat, system)) if chat or system else 0
-        with_draft = before
+        counted = len(engine.session.render(chat, system)) if chat or system else 0
+        with_draft = counted
         if draft.strip():
             with_draft = len(
                 engine.session.render([*chat, {"role": "user", "content": draft}], system)
             )
         own = engine.loaded.context_length
         limit = min(own, prefs.max_context or own)
-        return ContextUse(conversation_id, draft, before, with_draft - before, limit)
+        return ContextUse(conversation_id, draft, counted, with_draft - counted, limit, before)
 
     # -- conversations -------------------------------------------------------------
 

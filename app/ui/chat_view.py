@@ -11,12 +11,15 @@ from __future__ import annotations
 import secrets
 import time
 
-from PySide6.QtCore import QTimer, QUrl, Signal, Slot
+from PySide6.QtCore import QRect, QTimer, QUrl, Signal, Slot
 from PySide6.QtGui import (
+    QColor,
     QCursor,
     QDesktopServices,
     QGuiApplication,
     QImage,
+    QPainter,
+    QPaintEvent,
     QTextCursor,
     QTextDocument,
 )
@@ -33,6 +36,7 @@ from app.ui.render import (
     message_html,
     split_thinking,
 )
+from app.ui.theme import draw_ring
 
 # Re-render a streaming reply at most this often: smooth, and cheap for the event loop.
 _STREAM_REFRESH_MS = 60
@@ -48,6 +52,8 @@ class ChatView(QTextBrowser):
         self.setOpenExternalLinks(False)
         self.setObjectName("chatView")
         self.anchorClicked.connect(self._on_link)
+        # Tab moves the focus from link to link: draw its ring again, all of it.
+        self.cursorPositionChanged.connect(self.viewport().update)
         self.highlighted.connect(self._show_link_target)
         self.messages: list[RenderedMessage] = []
         self.refused_resources = 0  # loads the document asked for, all refused
@@ -139,6 +145,38 @@ class ChatView(QTextBrowser):
         # between two refreshes of a streaming reply.
         spent_ms = int((time.perf_counter() - started) * 1000)
         self._refresh.setInterval(max(_STREAM_REFRESH_MS, 2 * spent_ms))
+
+    def paintEvent(self, event: QPaintEvent) -> None:
+        """The text, then, with the keyboard focus, a ring at the edge and one around
+        the link that has it (Qt's own mark is a dotted outline of one pixel)."""
+        super().paintEvent(event)
+        if not self.hasFocus():
+            return
+        painter = QPainter(self.viewport())
+        ring = QColor(self.colours.focus)
+        # The frame's ring is one pixel wide here (the text covers the rest): one more.
+        draw_ring(painter, self.viewport().rect(), ring, None, width=1)
+        link = self.focused_link_rect()
+        if link is not None:
+            draw_ring(painter, link, ring, None)
+        painter.end()
+
+    def focused_link_rect(self) -> QRect | None:
+        """Where the link that Tab moved to is, on screen; None when there is none."""
+        cursor = self.textCursor()
+        if not self.hasFocus() or not cursor.hasSelection():
+            return None
+        start, end = QTextCursor(cursor), QTextCursor(cursor)
+        start.setPosition(cursor.selectionStart())
+        end.setPosition(cursor.selectionEnd())
+        if not end.charFormat().isAnchor():  # the format of the last character selected
+            return None
+        first, last = self.cursorRect(start), self.cursorRect(end)
+        if first.top() != last.top():  # a link cut over two lines: no ring
+            return None
+        return QRect(
+            first.left(), first.top(), last.left() - first.left(), first.height()
+        ).adjusted(-4, -2, 4, 2)
 
     def loadResource(self, kind: int, name: QUrl) -> QImage | str:
         """Refuse every resource: the app's HTML uses none, so a request came from a message.

@@ -1,11 +1,12 @@
 """Under the composer: how much of the model's context the chat and the draft take, and,
-before a message that will not fit, a warning with a way forward."""
+before a message that will not fit, a warning with a way forward. While a reply streams
+it counts on: the prompt the turn sends, then each piece of the reply as it comes."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import QTimer, Signal, Slot
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QWidget
 
 from app.ui.theme import chat_colours
@@ -17,6 +18,16 @@ if TYPE_CHECKING:  # the service (and so the engine) is imported on the worker's
 def meter_text(use: ContextUse) -> str:
     draft = f" + {use.draft:,} in the draft" if use.draft else ""
     return f"Context: {use.conversation:,} tokens{draft} of {use.limit:,}"
+
+
+# The live count while a reply streams is redrawn at most this often.
+LIVE_MS = 250
+
+
+def live_text(use: ContextUse, pieces: int) -> str:
+    """A streamed piece is one token nearly always (a character can take two), hence "≈"."""
+    total = use.conversation + use.draft + pieces
+    return f"Context: ≈{total:,} tokens of {use.limit:,}, with the reply so far"
 
 
 def warning_text(use: ContextUse) -> str:
@@ -49,11 +60,52 @@ class ContextMeter(QWidget):
         layout.addWidget(self.fresh)
         self.use: ContextUse | None = None
         self.fresh.clicked.connect(self.new_chat_requested)
+        # A reply streaming: the count of what its turn sent, and the pieces since.
+        self.replying = False
+        self._turn: tuple[str, int | None] = ("", None)  # its text and `before`
+        self._prompt: ContextUse | None = None
+        self._pieces = 0
+        self._redraw = QTimer(self, singleShot=True, interval=LIVE_MS)
+        self._redraw.timeout.connect(self._show_live)
 
-    def show_if_current(self, use: ContextUse, conversation_id: int | None, draft: str) -> None:
-        """Show a count only if it is of the chat and the draft on screen now."""
-        if use.conversation_id == conversation_id and use.draft_text == draft:
+    def show_if_current(
+        self, use: ContextUse, conversation_id: int | None, draft: str, before: int | None
+    ) -> None:
+        """Show a count only if it is of the chat and the draft on screen now (`before`:
+        the message being edited, whose place the draft takes), or, while a reply
+        streams, of the turn's prompt."""
+        if self.replying:
+            if (use.draft_text, use.before) == self._turn:
+                self._prompt = use
+                self._show_live()
+            return
+        if (use.conversation_id, use.draft_text, use.before) == (conversation_id, draft, before):
             self.show_use(use)
+
+    def begin_reply(self, text: str, before: int | None = None) -> None:
+        """A turn sends `text` (in place of message `before`): its count comes next."""
+        self.replying, self._turn = True, (text, before)
+        self._prompt, self._pieces = None, 0
+        self.fresh.hide()
+
+    @Slot(str)
+    def on_text(self, _text: str) -> None:
+        if not self.replying:
+            return
+        self._pieces += 1
+        if not self._redraw.isActive():
+            self._redraw.start()
+
+    def end_reply(self) -> None:
+        """The reply is done: the exact count (asked for next) replaces the estimate."""
+        self.replying = False
+        self._redraw.stop()
+
+    @Slot()
+    def _show_live(self) -> None:
+        if self.replying and self._prompt is not None:
+            self.label.setStyleSheet("")
+            self.label.setText(live_text(self._prompt, self._pieces))
 
     def known_not_to_fit(self, conversation_id: int | None, text: str) -> bool:
         """Whether the last count already says that `text` does not fit this chat."""

@@ -28,8 +28,8 @@ from app.ui.menus import build_menus
 from app.ui.model_bar import ModelBar
 from app.ui.quitting import wait_for_worker
 from app.ui.reading import rendered_messages, sidebar_entries
-from app.ui.render import RenderedMessage
 from app.ui.sidebar import Sidebar
+from app.ui.turn_flow import TurnFlow
 from app.ui.turn_status import TurnStatus
 from app.worker import NEW_CONVERSATION, WorkerThread
 from sessions import paths
@@ -53,7 +53,8 @@ class MainWindow(QMainWindow):
     regenerate_requested = Signal(int)
     edit_requested = Signal(int, str)
     continue_requested = Signal(int)  # an assistant message
-    context_requested = Signal(int, str)  # conversation (NEW_CONVERSATION: none), draft
+    context_requested = Signal(int, str, int)  # conversation (NEW_CONVERSATION: none), draft,
+    # and the message the draft replaces (an edit; 0: none)
     rename_requested = Signal(int, str)
     delete_requested = Signal(int)
     branch_requested = Signal(int, int)  # conversation, message
@@ -85,6 +86,7 @@ class MainWindow(QMainWindow):
         self._build_layout()
         theme.follow(self.chat, self.preferences().theme)
         self.status = TurnStatus(self.statusBar())
+        self.turns = TurnFlow(self)
         build_menus(self)
 
         self.engine = WorkerThread()
@@ -158,6 +160,7 @@ class MainWindow(QMainWindow):
         worker.text_delta.connect(self.chat.add_text)
         worker.text_delta.connect(self.status.on_first_text)
         worker.text_delta.connect(self.status.on_text)
+        worker.text_delta.connect(self.meter.on_text)
         worker.prompt_progress.connect(self.status.on_prompt_progress)
         worker.finished.connect(self.on_finished)
         worker.saved.connect(self.on_saved)
@@ -168,12 +171,12 @@ class MainWindow(QMainWindow):
         worker.prefetched.connect(self.on_prefetched)
         self.composer.edit.textChanged.connect(self._count_soon.start)
         self._count_soon.timeout.connect(self.ask_context)
-        self.meter.new_chat_requested.connect(self.send_in_new_chat)
-        self.composer.send_requested.connect(self.send)
-        self.composer.edit_requested.connect(self.edit_sent)
+        self.meter.new_chat_requested.connect(self.turns.send_in_new_chat)
+        self.composer.send_requested.connect(self.turns.send)
+        self.composer.edit_requested.connect(self.turns.edit_sent)
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
         self.composer.stop_requested.connect(worker.stop, Qt.ConnectionType.DirectConnection)
-        self.chat.action.connect(self.on_chat_action)
+        self.chat.action.connect(self.turns.on_chat_action)
         self.header.system_prompt_requested.connect(self.change_system_prompt)
         self.sidebar.new_requested.connect(self.new_chat)
         self.sidebar.conversation_selected.connect(self.show_conversation)
@@ -264,76 +267,15 @@ class MainWindow(QMainWindow):
         if self.generating or not self.models.ready:
             return
         draft = self.composer.edit.toPlainText()
-        self.context_requested.emit(self.conversation_id or NEW_CONVERSATION, draft)
+        self.count_context(draft, self.composer.editing)
+
+    def count_context(self, draft: str, before: int | None) -> None:
+        self.context_requested.emit(self.conversation_id or NEW_CONVERSATION, draft, before or 0)
 
     @Slot(object)
     def on_context_counted(self, use: ContextUse) -> None:
-        self.meter.show_if_current(use, self.conversation_id, self.composer.edit.toPlainText())
-
-    @Slot()
-    def send_in_new_chat(self) -> None:
-        self.show_conversation(None)
-        self.composer.send()
-
-    @Slot(str)
-    def send(self, text: str) -> None:
-        if self.meter.known_not_to_fit(self.conversation_id, text):
-            self.composer.edit.setPlainText(text)  # kept: the meter says why and what to do
-            return
-        self.chat.append_streaming(RenderedMessage(-1, "user", text))
-        self._start_turn()
-        self.send_requested.emit(self.conversation_id or NEW_CONVERSATION, text)
-
-    def regenerate(self) -> None:
-        if self.chat.messages and self.chat.messages[-1].role == "assistant":
-            self.chat.show_messages(self.chat.messages[:-1])  # drawn again, without it
-        self._start_turn()
-        self.regenerate_requested.emit(self.conversation_id)
-
-    def continue_reply(self, message_id: int) -> None:
-        """More of the last reply, streamed into the same bubble."""
-        last = self.chat.messages[-1] if self.chat.messages else None
-        if last is None or last.id != message_id:
-            return
-        last.state, last.cut = "streaming", False
-        self.chat.redraw_last(scroll_to_end=True)
-        self.status.begin()
-        self.continue_requested.emit(message_id)
-
-    def edit(self, message_id: int) -> None:
-        """Rewrite a sent message in the composer (it comes back as `edit_sent`)."""
-        self.composer.begin_edit(message_id, self.store.message(message_id).content)
-
-    @Slot(int, str)
-    def edit_sent(self, message_id: int, text: str) -> None:
-        ids = [m.id for m in self.chat.messages]
-        self.chat.show_messages(self.chat.messages[: ids.index(message_id)])
-        self.chat.append_streaming(RenderedMessage(-1, "user", text))
-        self._start_turn()
-        self.edit_requested.emit(message_id, text)
-
-    def _start_turn(self) -> None:
-        self.chat.append_streaming(RenderedMessage(-2, "assistant", "", state="streaming"))
-        self.status.begin()
-        if not self.models.ready:
-            # The worker answers once the model it is loading is in (requests are queued).
-            self.status.say("Waiting for the model to load…")
-
-    @Slot(str, int)
-    def on_chat_action(self, verb: str, message_id: int) -> None:
-        if self.generating:
-            return
-        if verb == "regenerate":
-            self.regenerate()
-        elif verb == "edit":
-            self.edit(message_id)
-        elif verb == "continue":
-            self.continue_reply(message_id)
-        elif verb in ("branch-prev", "branch-next"):
-            siblings = [s.id for s in self.store.siblings(message_id)]
-            step = -1 if verb == "branch-prev" else 1
-            target = siblings[(siblings.index(message_id) + step) % len(siblings)]
-            self.branch_requested.emit(self.conversation_id, target)
+        draft, editing = self.composer.edit.toPlainText(), self.composer.editing
+        self.meter.show_if_current(use, self.conversation_id, draft, editing)
 
     @Slot(int)
     def on_conversation_started(self, conversation_id: int) -> None:
@@ -347,6 +289,7 @@ class MainWindow(QMainWindow):
         self.composer.set_generating(busy)
         self.status.on_busy(busy)
         if not busy:
+            self.meter.end_reply()
             self.ask_context()  # the chat changed: count it again
 
     @Slot(object)

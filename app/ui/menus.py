@@ -6,8 +6,16 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
-from PySide6.QtWidgets import QMessageBox
+from PySide6.QtWidgets import (
+    QDialog,
+    QDialogButtonBox,
+    QMessageBox,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+)
 
 from app import __version__
 from app.ui.preferences import PreferencesDialog
@@ -35,14 +43,15 @@ def step_chat(window: MainWindow, step: int) -> None:
     """Show the next (1) or previous (-1) chat of the sidebar's list."""
     chats = window.sidebar.list
     if chats.count() and not window.generating:
-        row = chats.currentRow()
+        shown = chats.selectedItems()  # the current row may only hold the focus
+        row = chats.row(shown[0]) if shown else -1
         chats.setCurrentRow(0 if row < 0 else max(0, min(chats.count() - 1, row + step)))
 
 
 def regenerate_last(window: MainWindow) -> None:
     last = window.chat.messages[-1] if window.chat.messages else None
     if last is not None and last.role == "assistant" and not window.generating:
-        window.on_chat_action("regenerate", 0)
+        window.turns.on_chat_action("regenerate", 0)
 
 
 def stop_reply(window: MainWindow) -> None:
@@ -112,16 +121,55 @@ def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable
     }
 
 
-def shortcut_list(window: MainWindow) -> str:
-    """The keyboard shortcuts, as the Help menu shows them."""
-    rows = ["Tab / Shift+Tab\tMove between the message box, the chat and the sidebar"]
-    rows.append("Enter / Shift+Enter\tSend / start a new line")
-    rows.append("Tab, then Enter, in the chat\tMove through a message's actions, run one")
+def shortcut_rows(window: MainWindow) -> list[tuple[str, str]]:
+    """The keyboard shortcuts, (keys, what they do), as the Help menu lists them."""
+    rows = [
+        ("Tab / Shift+Tab", "Move between the message box, the chat and the sidebar"),
+        ("Enter / Shift+Enter", "Send / start a new line"),
+        ("Tab, then Enter, in the chat", "Move through a message's actions, run one"),
+    ]
     for entries in menu_entries(window).values():
         for label, keys, _ in entries:
             text = _keys(keys).toString(QKeySequence.SequenceFormat.NativeText)
-            rows.append(f"{text}\t{label.rstrip('…')}")
-    return "\n".join(rows)
+            rows.append((text, label.rstrip("…")))
+    return rows
+
+
+def shortcut_list(window: MainWindow) -> str:
+    """The same, as text: a line per shortcut, its keys and a tab before what it does."""
+    return "\n".join(f"{keys}\t{does}" for keys, does in shortcut_rows(window))
+
+
+def shortcuts_dialog(window: MainWindow) -> QDialog:
+    """The shortcuts in a table of two columns, keys and what they do, each as wide as
+    its longest entry (text with tabs lines up only by chance)."""
+    rows = shortcut_rows(window)
+    table = QTableWidget(len(rows), 2)
+    table.setHorizontalHeaderLabels(["Keys", "Does"])
+    table.verticalHeader().hide()
+    table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+    table.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
+    table.setWordWrap(False)
+    for row, (keys, does) in enumerate(rows):
+        table.setItem(row, 0, QTableWidgetItem(keys))
+        table.setItem(row, 1, QTableWidgetItem(does))
+    table.resizeColumnsToContents()
+    table.resizeRowsToContents()
+    table.horizontalHeader().setStretchLastSection(True)
+    # Every row in view, no scrolling, as far as the screen allows.
+    whole = table.horizontalHeader().sizeHint().height() + table.verticalHeader().length()
+    table.setMinimumHeight(min(whole + 2 * table.frameWidth(), 640))
+    buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+    dialog = QDialog(window)
+    dialog.setWindowTitle("Keyboard shortcuts")
+    dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)  # made anew each time
+    layout = QVBoxLayout(dialog)
+    layout.addWidget(table)
+    layout.addWidget(buttons)
+    buttons.rejected.connect(dialog.reject)
+    width = sum(table.columnWidth(c) for c in range(2)) + 4 * table.frameWidth() + 40
+    dialog.resize(min(width, 900), dialog.sizeHint().height())
+    return dialog
 
 
 def about_text() -> str:
@@ -141,8 +189,5 @@ def build_menus(window: MainWindow) -> None:
             window.addAction(item)
             menu.addAction(item)
     help_menu = window.menuBar().addMenu("&Help")
-    help_menu.addAction(
-        "Keyboard shortcuts",
-        lambda: QMessageBox.information(window, "Keyboard shortcuts", shortcut_list(window)),
-    )
+    help_menu.addAction("Keyboard shortcuts", lambda: shortcuts_dialog(window).exec())
     help_menu.addAction("About Reprise", lambda: QMessageBox.about(window, "About", about_text()))

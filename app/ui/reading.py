@@ -23,16 +23,23 @@ def export_name(title: str) -> str:
 
 def sidebar_entries(store: ConversationStore, index: CacheIndex, query: str) -> list[SidebarEntry]:
     """Every conversation, newest first; with a query, those whose text matches it,
-    each with the matching snippet."""
+    each with the matching snippet. A match on the branch on screen is preferred; one
+    only on another branch (a reply made again, an edited question) still finds the
+    chat, said to be elsewhere: opening the chat will not show it."""
     caches = {c["conversation_id"]: c for c in index.conversations_summary()}
     if not query:
         return [SidebarEntry(c.id, c.title, caches.get(c.id), c.updated) for c in store.list()]
-    seen: dict[int, SidebarEntry] = {}
+    found: dict[int, SidebarEntry] = {}
+    shown: dict[int, set[int]] = {}  # each chat's branch on screen
     for c, message in store.search(query):
-        if c.id not in seen:
-            found = snippet(message.content, query)
-            seen[c.id] = SidebarEntry(c.id, c.title, caches.get(c.id), c.updated, found)
-    return list(seen.values())
+        if c.id not in shown:
+            shown[c.id] = {m.id for m in store.branch(c.current_message_id)}
+        elsewhere = message.id not in shown[c.id]
+        if c.id in found and (elsewhere or not found[c.id].elsewhere):
+            continue  # the chat's newest match on the branch on screen is kept
+        text = snippet(message.content, query)
+        found[c.id] = SidebarEntry(c.id, c.title, caches.get(c.id), c.updated, text, elsewhere)
+    return list(found.values())
 
 
 def rendered_messages(

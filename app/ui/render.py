@@ -43,6 +43,7 @@ class ChatColours:
     link: str = "#1a5fb4"
     warning: str = "#a33a3a"  # Stopped, Interrupted, Cut
     code_style: str = "default"  # a Pygments style; every token 4.5:1 on code_bg
+    focus: str = "#1a5fb4"  # the focus ring: 3:1 on every background it is drawn on
 
 
 LIGHT_CHAT = ChatColours()
@@ -291,6 +292,23 @@ def code_blocks(text: str) -> list[str]:
 # -- messages ------------------------------------------------------------------------
 
 
+# The block-level ends of a rendered section (a paragraph, a list's last item, a code
+# block's <pre> in its table): the streaming mark goes in before them, not after.
+_BLOCK_ENDS = re.compile(
+    r"(?:\s*</(?:p|li|ul|ol|pre|td|tr|tbody|table|blockquote|div|h[1-6])>)+\s*$"
+)
+
+
+def with_mark(rendered: str, mark: str) -> str:
+    """`rendered` with `mark` at the end of its last line of text, inside the blocks
+    that close it; the white space between those ends goes (in a <pre> it would be one
+    more, empty, line)."""
+    ends = _BLOCK_ENDS.search(rendered)
+    if ends is None:
+        return rendered.rstrip() + mark
+    return rendered[: ends.start()] + mark + re.sub(r"\s+", "", ends.group())
+
+
 def message_html(
     message: RenderedMessage, token: str = "", colours: ChatColours = LIGHT_CHAT
 ) -> str:
@@ -298,6 +316,8 @@ def message_html(
         return f'<a href="{action_href(token, verb, message_id)}">{label}</a>'
 
     thinking, answer = split_thinking(message.content)
+    streaming = message.state == "streaming"
+    mark = f'<span style="color:{colours.muted}">▍</span>'  # where the reply goes on
     parts = []
     if thinking is not None:
         # Reasoning with no answer yet (still thinking, or stopped there) is shown open.
@@ -305,15 +325,18 @@ def message_html(
         toggle = link("think", "Hide" if show else "Show")
         parts.append(f'<p style="color:{colours.muted}"><i>Reasoning</i> — {toggle}</p>')
         if show:
-            parts.append(
-                f'<div style="color:{colours.muted}; margin-left:12px">'
-                f"{markdown_html(thinking, message.id, token, 'think', colours)}</div>"
-            )
-    if answer or message.state != "streaming":
+            reasoning = markdown_html(thinking, message.id, token, "think", colours)
+            if streaming and not answer and thinking:
+                reasoning, mark = with_mark(reasoning, mark), ""
+            parts.append(f'<div style="color:{colours.muted}; margin-left:12px">{reasoning}</div>')
+    if answer:
+        shown = markdown_html(answer, message.id, token, "answer", colours)
+        parts.append(with_mark(shown, mark) if streaming else shown)
+    elif streaming and mark:
+        parts.append(f"<p>{mark}</p>")  # nothing yet: the mark alone
+    elif not streaming:
         parts.append(markdown_html(answer, message.id, token, "answer", colours))
-    if message.state == "streaming":
-        parts.append(f'<p style="color:{colours.muted}">▍</p>')
-    elif message.state == "cancelled":
+    if message.state == "cancelled":
         parts.append(f'<p style="color:{colours.warning}"><i>Stopped</i></p>')
     elif message.state == "interrupted":
         parts.append(

@@ -1,22 +1,32 @@
-"""Conversations, newest first, with search, New chat and per-entry actions."""
+"""Conversations, newest first, with search, New chat and per-entry actions. A search's
+result shows the matching text with the words searched for in bold."""
 
 from __future__ import annotations
 
+import html
+import re
 from dataclasses import dataclass
 from datetime import date, datetime
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QSize, Qt, Signal
+from PySide6.QtGui import QAbstractTextDocumentLayout, QPainter, QPalette, QTextDocument
 from PySide6.QtWidgets import (
     QLineEdit,
     QListWidget,
     QListWidgetItem,
     QMenu,
     QPushButton,
+    QStyle,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
     QVBoxLayout,
     QWidget,
 )
 
 SNIPPET_CHARS = 60
+ELSEWHERE = "(on another branch)"
+MARKED_ROLE = Qt.ItemDataRole.UserRole + 1  # a result's lines as HTML, the match in bold
+_PADDING = 4  # around a row's text: the focus ring (3 pixels) goes there
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,7 @@ class SidebarEntry:
     cache: dict | None
     updated: str  # ISO time of the last change
     snippet: str = ""  # a search's matching text
+    elsewhere: bool = False  # the match is on a branch not on screen
 
 
 def day_label(iso_time: str, today: date | None = None) -> str:
@@ -51,8 +62,74 @@ def snippet(text: str, query: str) -> str:
     words = [w for w in query.lower().split() if w]
     at = min((i for i in (flat.lower().find(w) for w in words) if i >= 0), default=0)
     start = max(0, at - SNIPPET_CHARS // 3)
+    if start > 0 and flat[start - 1] != " ":  # begin at a word, not inside one
+        space = flat.find(" ", start, at)
+        start = space + 1 if space >= 0 else at
     piece = flat[start : start + SNIPPET_CHARS]
     return ("…" if start else "") + piece + ("…" if start + SNIPPET_CHARS < len(flat) else "")
+
+
+def marked(text: str, query: str) -> str:
+    """`text` as HTML, every occurrence of the query's words in bold."""
+    words = sorted({w for w in query.split() if w}, key=len, reverse=True)
+    if not words:
+        return html.escape(text)
+    pattern = re.compile("|".join(re.escape(w) for w in words), re.IGNORECASE)
+    parts, at = [], 0
+    for match in pattern.finditer(text):
+        parts += [html.escape(text[at : match.start()]), f"<b>{html.escape(match[0])}</b>"]
+        at = match.end()
+    return "".join([*parts, html.escape(text[at:])])
+
+
+class ResultDelegate(QStyledItemDelegate):
+    """Draws a search result: the item as the style draws it (background, selection,
+    focus), then its lines as rich text, the title and day cut to the width."""
+
+    def _document(self, option: QStyleOptionViewItem, index: QModelIndex) -> QTextDocument:
+        lines = index.data(Qt.ItemDataRole.DisplayRole).splitlines()
+        width = max(1, option.rect.width() - 2 * _PADDING)
+        metrics = option.fontMetrics
+        head = [metrics.elidedText(t, Qt.TextElideMode.ElideRight, width) for t in lines[:2]]
+        document = QTextDocument()
+        document.setDocumentMargin(0)
+        document.setDefaultFont(option.font)
+        document.setHtml("<br>".join([*map(html.escape, head), index.data(MARKED_ROLE)]))
+        document.setTextWidth(width)
+        return document
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex) -> None:
+        if not index.data(MARKED_ROLE):
+            super().paint(painter, option, index)
+            return
+        item = QStyleOptionViewItem(option)
+        self.initStyleOption(item, index)
+        document = self._document(item, index)
+        item.text = ""
+        style = item.widget.style() if item.widget else None
+        if style is not None:
+            style.drawControl(QStyle.ControlElement.CE_ItemViewItem, item, painter, item.widget)
+        selected = bool(item.state & QStyle.StateFlag.State_Selected)
+        context = QAbstractTextDocumentLayout.PaintContext()
+        role = QPalette.ColorRole.HighlightedText if selected else QPalette.ColorRole.Text
+        context.palette.setColor(QPalette.ColorRole.Text, item.palette.color(role))
+        painter.save()
+        painter.translate(item.rect.left() + _PADDING, item.rect.top() + _PADDING)
+        document.documentLayout().draw(painter, context)
+        painter.restore()
+
+    def sizeHint(
+        self, option: QStyleOptionViewItem, index: QModelIndex | QPersistentModelIndex
+    ) -> QSize:
+        size = super().sizeHint(option, index)
+        if not index.data(MARKED_ROLE):  # room for the focus ring above and below the text
+            return QSize(size.width(), size.height() + 2 * _PADDING)
+        item = QStyleOptionViewItem(option)
+        self.initStyleOption(item, index)
+        if item.widget is not None:
+            item.rect.setWidth(item.widget.viewport().width())
+        height = int(self._document(item, index).size().height()) + 2 * _PADDING
+        return QSize(size.width(), height)
 
 
 def describe_cache(info: dict | None) -> str:
@@ -81,6 +158,8 @@ class Sidebar(QWidget):
         # A long title ends in "…" (the full one is its tooltip), not a sideways scrollbar.
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list.setItemDelegate(ResultDelegate(self.list))
+        self.list.setResizeMode(QListWidget.ResizeMode.Adjust)  # results re-wrap to the width
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 6, 6, 6)
         layout.addWidget(self.new_button)
@@ -89,7 +168,9 @@ class Sidebar(QWidget):
         self.setMinimumWidth(220)
         self.new_button.clicked.connect(self.new_requested)
         self.search.textChanged.connect(self.search_changed)
-        self.list.currentItemChanged.connect(self._selected)
+        # Selected, not made current: Tab into the list makes its first row current
+        # (to show the focus there) and must not open that chat.
+        self.list.itemSelectionChanged.connect(self._selected)
         self.list.customContextMenuRequested.connect(self._menu)
 
     def show_conversations(self, entries: list[SidebarEntry], current: int | None) -> None:
@@ -103,9 +184,11 @@ class Sidebar(QWidget):
                 entry.title or "New chat",
                 " · ".join(filter(None, [when, describe_cache(entry.cache)])),
             ]
+            found = entry.snippet + (f" {ELSEWHERE}" if entry.elsewhere else "")
+            item = QListWidgetItem("\n".join([*lines, found] if entry.snippet else lines))
             if entry.snippet:
-                lines.append(entry.snippet)
-            item = QListWidgetItem("\n".join(lines))
+                note = f" <i>{ELSEWHERE}</i>" if entry.elsewhere else ""
+                item.setData(MARKED_ROLE, marked(entry.snippet, self.search.text()) + note)
             item.setData(Qt.ItemDataRole.UserRole, conversation_id)
             item.setToolTip(entry.title)
             self.list.addItem(item)
@@ -123,9 +206,10 @@ class Sidebar(QWidget):
                 self.list.setCurrentRow(row)
         self.list.blockSignals(False)
 
-    def _selected(self, item: QListWidgetItem | None) -> None:
-        if item is not None:
-            self.conversation_selected.emit(item.data(Qt.ItemDataRole.UserRole))
+    def _selected(self) -> None:
+        items = self.list.selectedItems()
+        if items:
+            self.conversation_selected.emit(items[0].data(Qt.ItemDataRole.UserRole))
 
     def _menu(self, position) -> None:
         item = self.list.itemAt(position)

@@ -5,6 +5,8 @@ The Theme preference is "system", "light" or "dark". "system" follows Qt's colou
 a scheme Qt cannot tell (Unknown) is light. One `ThemeController` per application holds
 the choice; chat views follow it through its `changed` signal, so a view that is gone
 is simply disconnected.
+
+Focus is drawn by `FocusStyle`, Qt's own style with a focus mark a user can see.
 """
 
 from __future__ import annotations
@@ -12,9 +14,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QObject, Qt, Signal, Slot
-from PySide6.QtGui import QColor, QGuiApplication, QPalette
-from PySide6.QtWidgets import QApplication
+from PySide6.QtCore import QObject, QRect, Qt, Signal, Slot
+from PySide6.QtGui import (
+    QColor,
+    QGuiApplication,
+    QPainter,
+    QPalette,
+    QPen,
+)
+from PySide6.QtWidgets import (
+    QAbstractScrollArea,
+    QApplication,
+    QProxyStyle,
+    QStyle,
+    QStyleFactory,
+    QStyleOption,
+    QWidget,
+)
 
 from app.ui.render import LIGHT_CHAT, ChatColours
 
@@ -37,7 +53,7 @@ class Theme:
     name: str
     roles: dict  # QPalette.ColorRole -> CSS colour, for every colour group
     disabled: dict  # the roles that differ for disabled widgets
-    chat: ChatColours
+    chat: ChatColours  # with the focus ring's colour, for the widgets too
 
 
 LIGHT = Theme(
@@ -77,6 +93,7 @@ DARK_CHAT = ChatColours(
     link="#8ab4f8",
     warning="#f28b82",
     code_style="github-dark",
+    focus="#8ab4f8",
 )
 
 DARK = Theme(
@@ -117,6 +134,62 @@ def palette(theme: Theme) -> QPalette:
     return result
 
 
+FOCUS_RING = 2  # pixels of the focus colour, then one of the base colour inside
+
+
+def draw_ring(
+    painter: QPainter, rect: QRect, ring: QColor, base: QColor | None, width: int = FOCUS_RING
+) -> None:
+    """A focus ring just inside `rect`: it shows on a plain background and, by its inner
+    line of the base colour, on a selected (highlighted) one as well."""
+    painter.save()
+    painter.setRenderHint(QPainter.RenderHint.Antialiasing, False)
+    painter.setBrush(Qt.BrushStyle.NoBrush)
+    edge = rect.adjusted(0, 0, -1, -1)
+    for lines, colour in ((width, ring), (1, base)):
+        if colour is None:
+            continue
+        painter.setPen(QPen(colour, 1))
+        for _ in range(lines):
+            painter.drawRect(edge)
+            edge = edge.adjusted(1, 1, -1, -1)
+    painter.restore()
+
+
+class FocusStyle(QProxyStyle):
+    """The platform's style, with a focus mark a user can see. Fusion's is a faint line
+    one pixel wide, and a list or the chat shows none for its own focus; here the
+    focused thing (a row, a list, the chat, the message box) gets a ring of the theme's
+    focus colour, with a line of the base colour inside it, so that it shows on a plain
+    background and on a selected (highlighted) row alike."""
+
+    def __init__(self) -> None:
+        super().__init__(QStyleFactory.create(QApplication.style().name()))
+        self.ring = QColor(LIGHT_CHAT.focus)
+
+    def pixelMetric(self, metric: QStyle.PixelMetric, option=None, widget=None) -> int:
+        value = super().pixelMetric(metric, option, widget)
+        if metric == QStyle.PixelMetric.PM_FocusFrameHMargin:  # a row's text: clear of the ring
+            return max(value, FOCUS_RING + 2)
+        return value
+
+    def drawPrimitive(
+        self,
+        element: QStyle.PrimitiveElement,
+        option: QStyleOption,
+        painter: QPainter,
+        widget: QWidget | None = None,
+    ) -> None:
+        base = option.palette.color(Role.Base)
+        if element == QStyle.PrimitiveElement.PE_FrameFocusRect:
+            draw_ring(painter, option.rect, self.ring, base)
+            return
+        super().drawPrimitive(element, option, painter, widget)
+        framed = element == QStyle.PrimitiveElement.PE_Frame
+        if framed and isinstance(widget, QAbstractScrollArea) and widget.hasFocus():
+            draw_ring(painter, option.rect, self.ring, base)
+
+
 def theme_for(choice: str, scheme: Qt.ColorScheme | None = None) -> Theme:
     """The theme a Theme preference means under the system's colour `scheme` (by default
     the current one); anything unknown is "system"."""
@@ -137,6 +210,8 @@ class ThemeController(QObject):
         self.setObjectName("themeController")
         self.choice = "system"
         self.current: Theme | None = None
+        self.style = FocusStyle()
+        app.setStyle(self.style)
         app.styleHints().colorSchemeChanged.connect(self._on_scheme_changed)
 
     def choose(self, choice: str) -> None:
@@ -149,6 +224,7 @@ class ThemeController(QObject):
         if theme is self.current:
             return
         self.current = theme
+        self.style.ring = QColor(theme.chat.focus)
         QApplication.setPalette(palette(theme))
         self.changed.emit(theme.chat)
 

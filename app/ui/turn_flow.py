@@ -1,0 +1,105 @@
+"""Starting a turn from the window: a message sent, a reply made again or continued, a
+sent message edited, a branch chosen. What the chat view, the status bar and the context
+meter show until the worker answers, then the request (the window's signals, which it
+wires to the worker)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from PySide6.QtCore import QObject, Slot
+
+from app.ui.render import RenderedMessage
+from app.worker import NEW_CONVERSATION
+
+if TYPE_CHECKING:
+    from app.ui.main_window import MainWindow
+
+
+class TurnFlow(QObject):
+    def __init__(self, window: MainWindow) -> None:
+        super().__init__(window)
+        self.window = window
+
+    @Slot(str)
+    def send(self, text: str) -> None:
+        w = self.window
+        if w.meter.known_not_to_fit(w.conversation_id, text):
+            w.composer.edit.setPlainText(text)  # kept: the meter says why and what to do
+            return
+        w.chat.append_streaming(RenderedMessage(-1, "user", text))
+        self.start(text)
+        w.send_requested.emit(w.conversation_id or NEW_CONVERSATION, text)
+
+    @Slot()
+    def send_in_new_chat(self) -> None:
+        self.window.show_conversation(None)
+        self.window.composer.send()
+
+    def regenerate(self) -> None:
+        w = self.window
+        last = w.chat.messages[-1] if w.chat.messages else None
+        if last is not None and last.role == "assistant":
+            w.chat.show_messages(w.chat.messages[:-1])  # drawn again, without it
+        self.start("", last.id if last is not None and last.id > 0 else None)
+        w.regenerate_requested.emit(w.conversation_id)
+
+    def continue_reply(self, message_id: int) -> None:
+        """More of the last reply, streamed into the same bubble."""
+        w = self.window
+        last = w.chat.messages[-1] if w.chat.messages else None
+        if last is None or last.id != message_id:
+            return
+        last.state, last.cut = "streaming", False
+        w.chat.redraw_last(scroll_to_end=True)
+        w.status.begin()
+        self._count("")
+        w.continue_requested.emit(message_id)
+
+    def edit(self, message_id: int) -> None:
+        """Rewrite a sent message in the composer (it comes back as `edit_sent`)."""
+        self.window.composer.begin_edit(message_id, self.window.store.message(message_id).content)
+
+    @Slot(int, str)
+    def edit_sent(self, message_id: int, text: str) -> None:
+        w = self.window
+        ids = [m.id for m in w.chat.messages]
+        w.chat.show_messages(w.chat.messages[: ids.index(message_id)])
+        w.chat.append_streaming(RenderedMessage(-1, "user", text))
+        self.start(text, message_id)
+        w.edit_requested.emit(message_id, text)
+
+    def start(self, text: str = "", before: int | None = None) -> None:
+        """A reply to `text` (in place of message `before`) is coming: show its place."""
+        w = self.window
+        w.chat.append_streaming(RenderedMessage(-2, "assistant", "", state="streaming"))
+        w.status.begin()
+        self._count(text, before)
+        if not w.models.ready:
+            # The worker answers once the model it is loading is in (requests are queued).
+            w.status.say("Waiting for the model to load…")
+
+    def _count(self, text: str, before: int | None = None) -> None:
+        """Count what the turn sends, before it is sent (the worker answers in order):
+        the meter adds the reply to it as it streams."""
+        self.window.meter.begin_reply(text, before)
+        if self.window.models.ready:
+            self.window.count_context(text, before)
+
+    @Slot(str, int)
+    def on_chat_action(self, verb: str, message_id: int) -> None:
+        """A link under a message: Edit, Regenerate, Continue, a branch arrow."""
+        w = self.window
+        if w.generating:
+            return
+        if verb == "regenerate":
+            self.regenerate()
+        elif verb == "edit":
+            self.edit(message_id)
+        elif verb == "continue":
+            self.continue_reply(message_id)
+        elif verb in ("branch-prev", "branch-next"):
+            siblings = [s.id for s in w.store.siblings(message_id)]
+            step = -1 if verb == "branch-prev" else 1
+            target = siblings[(siblings.index(message_id) + step) % len(siblings)]
+            w.branch_requested.emit(w.conversation_id, target)
