@@ -31,6 +31,10 @@ import struct
 import mlx.core as mx
 
 CHUNK = 128  # tokens (and threads) per block
+# Keys staged in shared memory when a chunk's packed keys take at most this much
+# (8-bit up to head size 128, 4-bit up to 256); `stage_keys` off is the old read.
+_STAGE_BYTES = 17 * 1024
+stage_keys = True
 MAX_GROUP_HEADS = 8  # query heads per KV head the kernel is built for
 
 _PARTIALS = r"""
@@ -44,6 +48,10 @@ _PARTIALS = r"""
     __shared__ float sp[R][CHUNK];
     __shared__ float sred[R][CHUNK / 32];
     __shared__ float sout[R][D];
+    // The chunk's packed keys, staged with coalesced reads (one thread per token
+    // reading its own row touches a cache line per thread); a padded row keeps
+    // the threads of a warp on different banks.
+    __shared__ uint32_t skw[STAGE ? CHUNK : 1][STAGE ? KW + 1 : 1];
 
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
     const int heads = gridDim.y, chunks = gridDim.x;
@@ -87,6 +95,12 @@ _PARTIALS = r"""
         __syncthreads();
     }
 
+    if (STAGE && quant) {
+        const int64_t row0 = (int64_t)(b * heads + h) * kw_shape[2] + bulk_lo + first;
+        for (int i = t; i < count * KW; i += CHUNK) skw[i / KW][i % KW] = kw[row0 * KW + i];
+        __syncthreads();
+    }
+
     float s[R];
     #pragma unroll
     for (int r = 0; r < R; r++) s[r] = LOW;
@@ -102,7 +116,7 @@ _PARTIALS = r"""
                 for (int r = 0; r < R; r++) acc[r] = 0.0f;
                 #pragma unroll
                 for (int wi = 0; wi < KG; wi++) {
-                    const uint32_t word = w[g * KG + wi];
+                    const uint32_t word = STAGE ? skw[t][g * KG + wi] : w[g * KG + wi];
                     #pragma unroll
                     for (int e = 0; e < KPW; e++) {
                         const float code = (float)((word >> (e * KBITS)) & KMASK);
@@ -285,6 +299,10 @@ def supports(layout, queries: mx.array) -> bool:
     )
 
 
+def _stages(head_dim: int, key_bits: int) -> bool:
+    return stage_keys and CHUNK * (head_dim * key_bits // 32 + 1) * 4 <= _STAGE_BYTES
+
+
 def decode(layout, queries: mx.array, scale: float) -> mx.array:
     """Attention of one query per head over the packed layer `layout`."""
     B, heads, _, D = queries.shape
@@ -321,6 +339,7 @@ def decode(layout, queries: mx.array, scale: float) -> mx.array:
             ("R", group_heads),
             ("ROTATE", layout.rotated),
             ("CHUNK", CHUNK),
+            ("STAGE", _stages(D, layout.bulk[0].bits)),
         ],
         grid=(chunks * CHUNK, kv_heads, B),
         threadgroup=(CHUNK, 1, 1),
