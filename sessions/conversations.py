@@ -335,6 +335,7 @@ class ConversationStore:
                     "title": conversation.title,
                     "model": conversation.model,
                     "system_prompt": conversation.system_prompt,
+                    "settings": conversation.overrides.given(),  # only the chat's own
                     "created": conversation.created,
                     "messages": [
                         {

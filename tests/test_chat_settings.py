@@ -36,6 +36,8 @@ def test_a_chat_keeps_its_own_settings_and_the_rest_follow_the_defaults(service)
     assert finished.stats.generated_tokens <= 2 and finished.stats.kv_format.startswith("8-bit")
     finished, _ = reply(service, other, "Tell me a long story please")
     assert finished.stats.generated_tokens == 6  # the default's limit (the tiny model never stops)
+    exported = json.loads(service.store.export(own, "json"))
+    assert exported["settings"] == {"temperature": 0.3, "max_tokens": 2, "kv_bits": 8}
     # A change of the defaults reaches every field the chat does not set.
     service.save_preferences(replace(service.preferences(), top_p=0.5))
     assert service.chat_preferences(own).top_p == 0.5
@@ -153,5 +155,5 @@ def test_the_terminal_says_when_a_chats_model_is_gone(tiny_model_dir):
     chat = ChatService(open_db()).create_conversation("a-deleted-model").id
     done = reprise("chat", "--conversation", str(chat), "hi")
     assert done.returncode != 0
-    assert "had with a-deleted-model, which is no longer installed" in done.stderr
+    assert "made with a-deleted-model, which is no longer installed" in done.stderr
     assert "--model" in done.stderr and "Traceback" not in done.stderr

@@ -1,5 +1,5 @@
 """A chat's own settings at the top of the chat: the header says what differs from the
-defaults and which model the chat was had with; the dialog edits them by keyboard."""
+defaults and which model the chat was made with; the dialog edits them by keyboard."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_the_header_names_the_chats_own_model_and_offers_both_ways(qtbot):
     qtbot.addWidget(header)
     chat = stored_chat("llama")
     header.show(chat, "qwen", Preferences(), ["qwen", "llama"])
-    assert header.notice.text() == "This chat was had with llama; qwen is loaded now."
+    assert header.notice.text() == "This chat was made with llama; qwen is loaded now."
     assert not header.switch.isHidden() and header.switch.text() == "Switch to llama"
     with qtbot.waitSignal(header.switch_requested) as switched:
         header.switch.click()
@@ -73,7 +73,7 @@ def dialog_with(qtbot, overrides: ChatOverrides):
 def test_the_dialog_is_used_by_keyboard(qtbot):
     dialog = dialog_with(qtbot, ChatOverrides())
     temperature = dialog.boxes["temperature"]
-    assert temperature.text() == "Default (0.7)" and "adventurous" in temperature.toolTip()
+    assert temperature.text() == "Default: 0.7" and "adventurous" in temperature.toolTip()
     assert QApplication.focusWidget() is temperature
     temperature.lineEdit().selectAll()
     qtbot.keyClicks(temperature, "0.2")
@@ -99,7 +99,7 @@ def test_escape_cancels_and_use_defaults_resets(qtbot):
 
     dialog = dialog_with(qtbot, ChatOverrides(temperature=0.2, max_tokens=99, kv_bits=KV_OFF))
     dialog.reset_button.click()
-    assert dialog.boxes["max_tokens"].text() == "Default (1024)"
+    assert dialog.boxes["max_tokens"].text() == "Default: 1024"
     qtbot.keyClick(
         QApplication.focusWidget(), Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier
     )
@@ -144,7 +144,7 @@ def test_a_chat_of_another_model_offers_to_switch_to_it(qtbot, open_window, tiny
     chat = stored_chat("tiny")
     window.refresh_sidebar()
     window.show_conversation(chat.id)
-    assert window.header.notice.text() == f"This chat was had with tiny; {starter} is loaded now."
+    assert window.header.notice.text() == f"This chat was made with tiny; {starter} is loaded now."
     window.header.switch.click()
     qtbot.waitUntil(
         lambda: window.models.ready and window.models.current() == "tiny", timeout=READY_MS
@@ -158,3 +158,11 @@ def test_a_chat_of_another_model_offers_to_switch_to_it(qtbot, open_window, tiny
     window.header.keep.click()
     qtbot.waitUntil(lambda: window.store.get(gone.id).model == "tiny", timeout=5_000)
     qtbot.waitUntil(window.header.notice.isHidden, timeout=5_000)
+
+    # Sending without a choice goes on with the loaded model too: it is the chat's now.
+    other = stored_chat("another-deleted-model")
+    window.show_conversation(other.id)
+    assert not window.header.notice.isHidden()
+    send(qtbot, window, "Hello", greedy_tokens=3)
+    assert window.store.get(other.id).model == "tiny"
+    assert window.header.notice.isHidden()

@@ -217,7 +217,7 @@ def _chat_model(service: ChatService, flag: str | None, own: str):
         if flag is not None:
             raise
         raise ModelNotFound(
-            f"This chat was had with {own}, which is no longer installed; continue it with "
+            f"This chat was made with {own}, which is no longer installed; continue it with "
             f"another model with --model NAME. {exc}"
         ) from None
 

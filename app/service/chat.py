@@ -228,7 +228,7 @@ class ChatService:
         self.store.set_overrides(conversation_id, self.preferences().check_chat(overrides))
 
     def set_chat_model(self, conversation_id: int, name: str) -> None:
-        """The model this chat is now had with (it offers that one when reopened)."""
+        """The model this chat goes on with (it offers that one when reopened)."""
         self.store.update_settings(conversation_id, model=name)
 
     def select_branch(self, conversation_id: int, message_id: int) -> None:

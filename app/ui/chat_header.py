@@ -1,5 +1,5 @@
 """Above the chat: the model and the settings this chat runs with, in plain words,
-and the ways to change them. When the chat was had with another model than the one
+and the ways to change them. When the chat was made with another model than the one
 loaded, it says so and offers both ways forward."""
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def model_notice(own: str, loaded: str, installed: list[str]) -> str:
         return ""
     if own not in installed:
         return (
-            f"This chat was had with {own}, which is no longer installed. "
+            f"This chat was made with {own}, which is no longer installed. "
             f"It continues with {loaded}."
         )
-    return f"This chat was had with {own}; {loaded} is loaded now."
+    return f"This chat was made with {own}; {loaded} is loaded now."
 
 
 def _preview(text: str) -> str:
@@ -107,8 +107,8 @@ class ChatHeader(QWidget):
         self._show_notice(model_notice(self._own, model, names) if ready else "")
         self.switch.setVisible(bool(self.notice.text()) and self._own in names)
         self.switch.setText(f"Switch to {self._own}")
-        self.switch.setToolTip(f"Load {self._own} (the model this chat was had with)")
-        self.keep.setText(f"Keep {model}")
+        self.switch.setToolTip(f"Load {self._own} (the model this chat was made with)")
+        self.keep.setText(f"Continue with {model}")
         self.keep.setToolTip(f"Go on with {model}; it becomes this chat's model")
 
     def _show_notice(self, text: str) -> None:

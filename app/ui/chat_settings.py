@@ -2,7 +2,7 @@
 
 Each setting is either the chat's own value or "Default" (the preference's, which
 follows Preferences as it changes). In a spin box the default is the step below
-the lowest value, shown as "Default (0.70)"; the KV choice has its own entry.
+the lowest value, shown as "Default: 0.7"; the KV choice has its own entry.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class ChatSettingsDialog(QDialog):
             form.addRow(label, box)
             self.boxes[name] = box
         self.kv_bits = QComboBox()
-        self.kv_bits.addItem(f"Default ({kv_label(prefs.kv_bits)})", None)
+        self.kv_bits.addItem(f"Default: {kv_label(prefs.kv_bits)}", None)
         for bits in (KV_OFF, 8, 4):
             self.kv_bits.addItem(kv_label(None if bits == KV_OFF else bits), bits)
         self.kv_bits.setCurrentIndex(max(0, self.kv_bits.findData(overrides.kv_bits)))
@@ -143,6 +143,7 @@ class ChatSettingsDialog(QDialog):
         layout.addWidget(note)
         layout.addLayout(form)
         layout.addWidget(self.buttons)
+        self.setMinimumWidth(480)
         self.boxes["temperature"].setFocus()
 
     def _box(self, name: str, low, high, step, own) -> QAbstractSpinBox:
@@ -153,7 +154,7 @@ class ChatSettingsDialog(QDialog):
         default = getattr(self.prefs, name)
         box.setRange(low - step, high)  # the step below the lowest: the default
         box.setSingleStep(step)
-        box.setSpecialValueText(f"Default ({default:g})")
+        box.setSpecialValueText(f"Default: {default:g}")
         box.setValue(box.minimum() if own is None else own)
         return box
 

@@ -324,6 +324,7 @@ class MainWindow(QMainWindow):
     def on_finished(self, reply: ReplyFinished) -> None:
         if self.conversation_id == reply.conversation_id:
             self.chat.show_messages(rendered_messages(self.store, self.conversation_id))
+            self._show_header()  # the turn made the model it ran with the chat's
         self.status.on_finished(reply)
         self.refresh_sidebar()
         self.ask_context()
