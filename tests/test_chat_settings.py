@@ -120,19 +120,8 @@ def test_a_chat_continued_with_another_model_becomes_that_models_chat(service): 
 def test_the_terminal_stores_its_flags_as_the_chats_settings(tiny_model_dir):
     (paths.models_dir() / "tiny").symlink_to(tiny_model_dir)
     ChatService(open_db()).save_preferences(Preferences(model="tiny", kv_group_size=32))
-    done = reprise(
-        "chat",
-        "--conversation",
-        "new",
-        "--temp",
-        "0",
-        "--max-tokens",
-        "3",
-        "--kv-bits",
-        "8",
-        "--json",
-        "hi",
-    )
+    flags = ["--temp", "0", "--max-tokens", "3", "--kv-bits", "8"]
+    done = reprise("chat", "--conversation", "new", *flags, "--json", "hi")
     assert done.returncode == 0, done.stderr
     first = json.loads(done.stdout)
     chat = str(first["conversation_id"])
