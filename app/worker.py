@@ -260,6 +260,15 @@ class EngineWorker(QObject):
     def set_system_prompt(self, conversation_id: int, text: str) -> None:
         self._change(conversation_id, lambda s: s.set_system_prompt(conversation_id, text))
 
+    @Slot(int, object)
+    def set_chat_settings(self, conversation_id: int, overrides: object) -> None:
+        """A chat's own sampling and KV settings (a `ChatOverrides`)."""
+        self._change(conversation_id, lambda s: s.set_chat_settings(conversation_id, overrides))
+
+    @Slot(int, str)
+    def set_chat_model(self, conversation_id: int, name: str) -> None:
+        self._change(conversation_id, lambda s: s.set_chat_model(conversation_id, name))
+
     @Slot(int, int)
     def select_branch(self, conversation_id: int, message_id: int) -> None:
         self._change(conversation_id, lambda s: s.select_branch(conversation_id, message_id))

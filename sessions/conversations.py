@@ -21,6 +21,7 @@ import sqlite_utils
 
 from sessions.db import is_row_id
 from sessions.errors import UserError, guarded
+from sessions.overrides import ChatOverrides
 from sessions.titles import make_title
 
 
@@ -68,6 +69,7 @@ class Conversation:
     created: str
     updated: str
     messages: list[Message] = field(default_factory=list)  # the current branch, root first
+    overrides: ChatOverrides = field(default_factory=ChatOverrides)  # its own settings
 
     @classmethod
     def from_row(cls, row: dict) -> Conversation:
@@ -80,6 +82,7 @@ class Conversation:
             current_message_id=_id(row["current_message_id"]),
             created=_text(row["created"]),
             updated=_text(row["updated"]),
+            overrides=ChatOverrides.from_row(row),
         )
 
     def system_for(self, default: str | None) -> str | None:
@@ -171,6 +174,11 @@ class ConversationStore:
     @guarded
     def update_settings(self, conversation_id: int, **fields) -> None:
         self._update(conversation_id, **fields)
+
+    @guarded
+    def set_overrides(self, conversation_id: int, overrides: ChatOverrides) -> None:
+        """The chat's own settings, all of them: a field left None goes back to the default."""
+        self._update(conversation_id, **overrides.columns())
 
     @guarded
     def delete(self, conversation_id: int) -> None:
@@ -327,6 +335,7 @@ class ConversationStore:
                     "title": conversation.title,
                     "model": conversation.model,
                     "system_prompt": conversation.system_prompt,
+                    "settings": conversation.overrides.given(),  # only the chat's own
                     "created": conversation.created,
                     "messages": [
                         {

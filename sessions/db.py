@@ -22,6 +22,15 @@ DB_NAME = "reprise.db"
 BUSY_TIMEOUT_S = 10.0
 
 migrations = Migrations("reprise")
+# The per-chat settings (m004) and their column types; the names are the preferences'.
+CHAT_OVERRIDE_COLUMNS = {
+    "temperature": float,
+    "top_p": float,
+    "min_p": float,
+    "repetition_penalty": float,
+    "max_tokens": int,
+    "kv_bits": int,
+}
 
 
 class NewerDatabase(UserError):
@@ -101,6 +110,15 @@ def m003_measurements(db: sqlite_utils.Database) -> None:
     # Running estimates for the reopen planner: disk read bandwidth, and prefill
     # rate per model and KV format.
     db["measurements"].create({"key": str, "value": float, "updated": str}, pk="key")
+
+
+@migrations()
+def m004_chat_overrides(db: sqlite_utils.Database) -> None:
+    # A chat's own sampling and KV preference; NULL: the default from the preferences.
+    # (kv_bits 16 is a chat's own "Off": NULL already means "the default".)
+    table = db["conversations"]
+    for name, kind in CHAT_OVERRIDE_COLUMNS.items():
+        table.add_column(name, kind)
 
 
 def open_db(

@@ -24,11 +24,13 @@ from dataclasses import replace
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ReplyFinished
 from app.engine.generation import TextDelta, TurnFinished
+from app.engine.models import ModelNotFound
 from app.service.chat import ChatService
 from app.service.preferences import Preferences
 from sessions.conversations import NotFound
 from sessions.db import is_row_id, open_db
 from sessions.errors import UserError
+from sessions.overrides import KV_OFF, ChatOverrides
 
 Turn = Callable[[str, Callable[[], bool]], Iterator]
 log = logging.getLogger(__name__)
@@ -118,6 +120,25 @@ def preferences_from_args(saved: Preferences, args: argparse.Namespace) -> Prefe
     return replace(prefs, kv_bits=None) if args.no_kv_quantization else prefs
 
 
+# The flags a stored chat keeps as its own settings (argparse's dest: field).
+CHAT_FLAGS = {
+    "temp": "temperature",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_tokens": "max_tokens",
+    "kv_bits": "kv_bits",
+}
+
+
+def chat_overrides_from_args(args: argparse.Namespace) -> ChatOverrides:
+    """The chat's own settings the flags give (--no-kv-quantization: its own "Off")."""
+    given = {field: getattr(args, flag) for flag, field in CHAT_FLAGS.items()}
+    if args.no_kv_quantization:
+        given["kv_bits"] = KV_OFF
+    return ChatOverrides(**given)
+
+
 def print_turn(events: Iterator, as_json: bool, model: str) -> None:
     finished: ReplyFinished | TurnFinished | None = None
     saved: CacheSaved | None = None
@@ -156,14 +177,18 @@ def run(args: argparse.Namespace) -> int:
     if args.conversation is None:
         return _in_memory(service, prefs, args)
     service.repair()
+    # Sampling and KV flags are kept as the chat's own settings, as --system is its prompt.
+    own = chat_overrides_from_args(args)
     if args.conversation == "new":
         engine = service.load_model(prefs.model)
-        conversation = service.create_conversation(engine.loaded.name, args.system)
+        conversation = service.create_conversation(engine.loaded.name, args.system, own)
     else:
         conversation = service.store.get(conversation_id_from(args.conversation))
         if args.system is not None:  # the flag sets this chat's own prompt, as the window does
             service.set_system_prompt(conversation.id, args.system)
-        engine = service.load_model(args.model or conversation.model)
+        if own.given():
+            service.set_chat_settings(conversation.id, conversation.overrides.merged(own))
+        engine = _chat_model(service, args.model, conversation.model)
     if not args.json:
         print(f"Conversation {conversation.id}", file=sys.stderr)
 
@@ -181,6 +206,20 @@ def run(args: argparse.Namespace) -> int:
         return service.send(conversation.id, text, prefs, should_stop)
 
     return loop(stored_turn, args.message, args.json, engine.loaded.name)
+
+
+def _chat_model(service: ChatService, flag: str | None, own: str):
+    """The engine for a stored chat: the --model given, else the chat's own model,
+    said plainly when that one is no longer installed."""
+    try:
+        return service.load_model(flag or own)
+    except ModelNotFound as exc:
+        if flag is not None:
+            raise
+        raise ModelNotFound(
+            f"This chat was made with {own}, which is no longer installed; continue it with "
+            f"another model with --model NAME. {exc}"
+        ) from None
 
 
 def _prefetch(service: ChatService, conversation_id: int, prefs: Preferences) -> None:

@@ -23,6 +23,7 @@ from sessions import paths
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import Conversation, ConversationStore
 from sessions.locks import conversation_lock
+from sessions.overrides import ChatOverrides
 from sessions.repair import on_start as repair_on_start
 from sessions.settings import Settings
 
@@ -130,10 +131,13 @@ class ChatService:
         prefs: Preferences | None,
         turn: Callable[[ConversationEngine, TurnOptions], Iterator[TurnEvent]],
     ) -> Iterator[TurnEvent]:
-        """A turn under the conversation's writer lock, with `prefs` or the saved ones."""
-        options = (prefs or self.preferences()).turn_options()
+        """A turn under the conversation's writer lock, with `prefs` or the saved ones
+        and the chat's own settings on them."""
+        options = self.chat_preferences(conversation_id, prefs).turn_options()
         with conversation_lock(conversation_id):
-            yield from turn(self._engine(), options)
+            engine = self._engine()
+            self._record_model(conversation_id, engine)
+            yield from turn(engine, options)
 
     def continue_reply(
         self,
@@ -143,14 +147,27 @@ class ChatService:
     ) -> Iterator[TurnEvent]:
         """More of a reply cut by the length limit, stopped or interrupted, in place."""
         conversation_id = self.store.message(message_id).conversation_id
-        options = (prefs or self.preferences()).turn_options()
-        with conversation_lock(conversation_id):
-            yield from self._engine().continue_reply(message_id, options, should_stop)
+        return self._locked(
+            conversation_id, prefs, lambda e, o: e.continue_reply(message_id, o, should_stop)
+        )
+
+    def chat_preferences(
+        self, conversation_id: int, prefs: Preferences | None = None
+    ) -> Preferences:
+        """What a turn of this chat runs with: `prefs` (or the saved ones) with the
+        chat's own settings applied by the one rule, `Preferences.for_chat`."""
+        base = prefs or self.preferences()
+        return base.for_chat(self.store.get(conversation_id).overrides)
+
+    def _record_model(self, conversation_id: int, engine: ConversationEngine) -> None:
+        """A chat continued with another model is now that model's chat."""
+        if self.store.get(conversation_id).model != engine.loaded.name:
+            self.set_chat_model(conversation_id, engine.loaded.name)
 
     def prefetch(self, conversation_id: int, prefs: Preferences | None = None) -> RestoreInfo:
         """Restore the conversation's saved cache into memory before its next turn is
         asked for (the window does this when a conversation is selected)."""
-        kv = (prefs or self.preferences()).turn_options().kv
+        kv = self.chat_preferences(conversation_id, prefs).turn_options().kv
         return self._engine().prefetch(conversation_id, kv)
 
     def context_use(
@@ -181,8 +198,17 @@ class ChatService:
 
     # -- conversations -------------------------------------------------------------
 
-    def create_conversation(self, model: str, system_prompt: str | None = None) -> Conversation:
-        return self.store.create(model, system_prompt)
+    def create_conversation(
+        self,
+        model: str,
+        system_prompt: str | None = None,
+        overrides: ChatOverrides | None = None,
+    ) -> Conversation:
+        chat = self.store.create(model, system_prompt)
+        if overrides is not None and overrides.given():
+            self.set_chat_settings(chat.id, overrides)
+            chat = self.store.get(chat.id)
+        return chat
 
     def rename(self, conversation_id: int, title: str) -> None:
         self.store.rename(conversation_id, title.strip())
@@ -192,6 +218,18 @@ class ChatService:
         A saved cache that began with the old prompt is then no longer a prefix, so
         the next turn recomputes (the cache rule, not a special case)."""
         self.store.update_settings(conversation_id, system_prompt=text.strip() or None)
+
+    def set_chat_settings(self, conversation_id: int, overrides: ChatOverrides) -> None:
+        """This chat's own sampling and KV settings (None each: the default); refused
+        with `InvalidPreference` when one is not a value the preferences accept.
+        A new KV setting leaves the saved cache as it is: its format is part of its
+        key, so the next turn restores it where the new setting can use it, and
+        otherwise recomputes and saves the new format beside it."""
+        self.store.set_overrides(conversation_id, self.preferences().check_chat(overrides))
+
+    def set_chat_model(self, conversation_id: int, name: str) -> None:
+        """The model this chat goes on with (it offers that one when reopened)."""
+        self.store.update_settings(conversation_id, model=name)
 
     def select_branch(self, conversation_id: int, message_id: int) -> None:
         self.store.select_branch(conversation_id, message_id)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from app.engine.generation import KVSettings, SamplingSettings
 from app.engine.kvscheme import GROUP_SIZES, PREFERENCE_BITS
 from sessions.errors import UserError
+from sessions.overrides import KV_OFF, ChatOverrides
 from sessions.settings import Settings
 
 if TYPE_CHECKING:
@@ -83,6 +84,25 @@ class Preferences:
         given = {k: _coerce(k, v) for k, v in changes.items() if v is not None}
         return replace(self, **given)
 
+    def for_chat(self, overrides: ChatOverrides) -> Preferences:
+        """The one rule for a chat's own settings: each one it sets replaces the
+        preference of the same name for its turns (the system prompt has its own rule,
+        `Conversation.system_for`). A stored value that is not valid is left out."""
+        prefs = self
+        for name, value in overrides.given().items():
+            try:
+                prefs = replace(prefs, **{name: _chat_value(name, value)})
+            except (InvalidPreference, TypeError, ValueError):
+                log.warning("ignoring a chat's own %s %r", name, value)
+        return prefs
+
+    def check_chat(self, overrides: ChatOverrides) -> ChatOverrides:
+        """`overrides` if every value is one the preferences accept; else
+        `InvalidPreference` saying which is not."""
+        for name, value in overrides.given().items():
+            replace(self, **{name: _chat_value(name, value)})
+        return overrides
+
     # -- what they mean to the engine ---------------------------------------------
 
     def turn_options(self) -> TurnOptions:
@@ -134,6 +154,11 @@ _RULES = (
     ("cache_chunk_tokens", _whole(16, 65_536), "a whole number from 16 to 65536"),
     ("theme", lambda v: v in THEME_CHOICES, f"one of {', '.join(THEME_CHOICES)}"),
 )
+
+
+def _chat_value(name: str, value: Any) -> Any:
+    """A chat's own value as the preference's: its "Off" for the KV setting is None."""
+    return None if name == "kv_bits" and value == KV_OFF else _coerce(name, value)
 
 
 def _coerce(name: str, value: Any) -> Any:

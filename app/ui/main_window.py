@@ -21,6 +21,7 @@ from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
 from app.ui import asking, theme
 from app.ui.chat_header import ChatHeader
+from app.ui.chat_settings import chat_settings
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
 from app.ui.context_meter import ContextMeter
@@ -63,6 +64,8 @@ class MainWindow(QMainWindow):
     save_preferences_requested = Signal(object)  # Preferences
     prefetch_requested = Signal(int)  # a conversation just selected
     system_prompt_requested = Signal(int, str)  # conversation, its own prompt ("": default)
+    chat_settings_requested = Signal(int, object)  # conversation, its ChatOverrides
+    chat_model_requested = Signal(int, str)  # conversation, the model it now goes on with
 
     def __init__(self) -> None:
         super().__init__()
@@ -151,6 +154,8 @@ class MainWindow(QMainWindow):
             (self.save_preferences_requested, worker.save_preferences),
             (self.prefetch_requested, worker.prefetch),
             (self.system_prompt_requested, worker.set_system_prompt),
+            (self.chat_settings_requested, worker.set_chat_settings),
+            (self.chat_model_requested, worker.set_chat_model),
         ):
             request.connect(slot)
         worker.model_loaded.connect(self.on_model_loaded)
@@ -178,6 +183,9 @@ class MainWindow(QMainWindow):
         self.composer.stop_requested.connect(worker.stop, Qt.ConnectionType.DirectConnection)
         self.chat.action.connect(self.turns.on_chat_action)
         self.header.system_prompt_requested.connect(self.change_system_prompt)
+        self.header.settings_requested.connect(self.change_chat_settings)
+        self.header.switch_requested.connect(self.on_model_picked)
+        self.header.keep_requested.connect(self.keep_chat_model)
         self.sidebar.new_requested.connect(self.new_chat)
         self.sidebar.conversation_selected.connect(self.show_conversation)
         self.sidebar.search_changed.connect(self.refresh_sidebar)
@@ -236,7 +244,8 @@ class MainWindow(QMainWindow):
 
     def _show_header(self) -> None:
         chat = self.store.get(self.conversation_id) if self.conversation_id else None
-        self.header.show(chat, self.models.current(), self.preferences().system_prompt)
+        models = self.models
+        self.header.show(chat, models.current(), self.preferences(), models.names(), models.ready)
 
     @Slot()
     def change_system_prompt(self) -> None:
@@ -246,6 +255,20 @@ class MainWindow(QMainWindow):
         text = asking.system_prompt(self, own, self.preferences().system_prompt)
         if text is not None:
             self.system_prompt_requested.emit(self.conversation_id, text)
+
+    @Slot()
+    def change_chat_settings(self) -> None:
+        if self.conversation_id is None or self.generating:
+            return
+        own = self.store.get(self.conversation_id).overrides
+        chosen = chat_settings(self, own, self.preferences())
+        if chosen is not None:
+            self.chat_settings_requested.emit(self.conversation_id, chosen)
+
+    @Slot(str)
+    def keep_chat_model(self, name: str) -> None:
+        if self.conversation_id is not None:
+            self.chat_model_requested.emit(self.conversation_id, name)
 
     def _prefetch(self, conversation_id: int | None) -> None:
         """Start restoring the chat's saved cache now, not when the user presses Send."""
@@ -301,6 +324,7 @@ class MainWindow(QMainWindow):
     def on_finished(self, reply: ReplyFinished) -> None:
         if self.conversation_id == reply.conversation_id:
             self.chat.show_messages(rendered_messages(self.store, self.conversation_id))
+            self._show_header()  # the turn made the model it ran with the chat's
         self.status.on_finished(reply)
         self.refresh_sidebar()
         self.ask_context()

@@ -40,6 +40,10 @@ class ModelBar(QToolBar):
                 self.picker.setCurrentText(name)
                 break
 
+    def names(self) -> list[str]:
+        """Every model in the library, as listed."""
+        return [self.picker.itemText(i) for i in range(self.picker.count())]
+
     def current(self) -> str:
         return self.picker.currentText()
 

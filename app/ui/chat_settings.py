@@ -1,0 +1,190 @@
+"""A chat's own settings: the words for them, and the dialog that edits them.
+
+Each setting is either the chat's own value or "Default" (the preference's, which
+follows Preferences as it changes). In a spin box the default is the step below
+the lowest value, shown as "Default: 0.7"; the KV choice has its own entry.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QAbstractSpinBox,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QLabel,
+    QMessageBox,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.service.preferences import InvalidPreference, Preferences
+from app.ui.preferences import kv_label
+from sessions.overrides import KV_OFF, ChatOverrides
+
+# field: (label, tooltip, lowest, highest, step); max_tokens is the one whole number.
+FIELDS = {
+    "temperature": (
+        "Temperature",
+        "How adventurous the replies are: 0 always picks the likeliest next word (the same "
+        "reply every time); higher values give more varied, less predictable replies.",
+        0.0,
+        2.0,
+        0.05,
+    ),
+    "top_p": (
+        "Top-p",
+        "Only the likeliest words whose chances add up to this share are considered; "
+        "1 considers every word, lower values keep the replies on the likeliest path.",
+        0.0,
+        1.0,
+        0.01,
+    ),
+    "min_p": (
+        "Min-p",
+        "Leave out words much less likely than the best one: 0.05 drops every word under "
+        "5% of the best word's chance; 0 leaves none out.",
+        0.0,
+        1.0,
+        0.01,
+    ),
+    "repetition_penalty": (
+        "Repetition penalty",
+        "Above 1 makes the model less likely to repeat words it already used; 1 is off.",
+        0.5,
+        2.0,
+        0.01,
+    ),
+    "max_tokens": (
+        "Reply length limit (tokens)",
+        "The longest a reply may be; a reply cut here is marked and can be continued. "
+        "A token is about three quarters of a word.",
+        1,
+        32768,
+        1,
+    ),
+}
+KV_TIP = (
+    "Memory saving for the model's working memory of this chat (its KV cache): 8-bit "
+    "takes about half the memory of full precision, 4-bit about a third, at a small cost "
+    "in quality. A cache saved in one setting that another cannot use is computed again "
+    "once; nothing is lost."
+)
+
+
+def kv_words(bits: int | None) -> str:
+    """The KV setting as the header says it."""
+    return "full precision (no memory saving)" if bits is None else f"{bits}-bit memory saving"
+
+
+def differences(overrides: ChatOverrides, prefs: Preferences) -> list[str]:
+    """What this chat runs with that differs from the defaults, in plain words."""
+    mine = prefs.for_chat(overrides)
+    said = []
+    for name, (label, *_rest) in FIELDS.items():
+        value = getattr(mine, name)
+        if value != getattr(prefs, name):
+            said.append(
+                f"Replies up to {value:,} tokens" if name == "max_tokens" else f"{label} {value:g}"
+            )
+    if mine.kv_bits != prefs.kv_bits:
+        said.append(kv_words(mine.kv_bits).capitalize())
+    return said
+
+
+class ChatSettingsDialog(QDialog):
+    """Tab moves through the settings to the buttons; Enter or Ctrl+Enter saves, Esc
+    cancels; "Use defaults" sets every one back to the preference."""
+
+    def __init__(self, parent: QWidget | None, overrides: ChatOverrides, prefs: Preferences):
+        super().__init__(parent)
+        self.setWindowTitle("Chat settings")
+        self.prefs = prefs
+        self.chosen: ChatOverrides | None = None  # set by Save
+        note = QLabel(
+            "Settings for this chat only. “Default” follows Preferences, also when it changes."
+        )
+        note.setWordWrap(True)
+        form = QFormLayout()
+        self.boxes: dict[str, QAbstractSpinBox] = {}
+        for name, (label, tip, low, high, step) in FIELDS.items():
+            box = self._box(name, low, high, step, getattr(overrides, name))
+            box.setToolTip(tip + " Go below the lowest value for the default.")
+            form.addRow(label, box)
+            self.boxes[name] = box
+        self.kv_bits = QComboBox()
+        self.kv_bits.addItem(f"Default: {kv_label(prefs.kv_bits)}", None)
+        for bits in (KV_OFF, 8, 4):
+            self.kv_bits.addItem(kv_label(None if bits == KV_OFF else bits), bits)
+        self.kv_bits.setCurrentIndex(max(0, self.kv_bits.findData(overrides.kv_bits)))
+        self.kv_bits.setToolTip(KV_TIP)
+        form.addRow("Memory saving", self.kv_bits)
+        self.buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Save
+            | QDialogButtonBox.StandardButton.Cancel
+            | QDialogButtonBox.StandardButton.RestoreDefaults
+        )
+        self.save_button = self.buttons.button(QDialogButtonBox.StandardButton.Save)
+        self.save_button.setDefault(True)
+        self.reset_button = self.buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults)
+        self.reset_button.setText("Use defaults")
+        self.reset_button.setToolTip("Set every setting of this chat back to Preferences'")
+        self.reset_button.setAutoDefault(False)  # Enter saves, wherever the focus is
+        self.reset_button.clicked.connect(self.use_defaults)
+        self.buttons.accepted.connect(self.accept)
+        self.buttons.rejected.connect(self.reject)
+        for keys in ("Ctrl+Return", "Ctrl+Enter"):
+            QShortcut(QKeySequence(keys), self, activated=self.accept)
+        layout = QVBoxLayout(self)
+        layout.addWidget(note)
+        layout.addLayout(form)
+        layout.addWidget(self.buttons)
+        self.setMinimumWidth(480)
+        self.boxes["temperature"].setFocus()
+
+    def _box(self, name: str, low, high, step, own) -> QAbstractSpinBox:
+        whole = isinstance(low, int)
+        box = QSpinBox() if whole else QDoubleSpinBox()
+        if not whole:
+            box.setDecimals(2)
+        default = getattr(self.prefs, name)
+        box.setRange(low - step, high)  # the step below the lowest: the default
+        box.setSingleStep(step)
+        box.setSpecialValueText(f"Default: {default:g}")
+        box.setValue(box.minimum() if own is None else own)
+        return box
+
+    def use_defaults(self) -> None:
+        for box in self.boxes.values():
+            box.setValue(box.minimum())
+        self.kv_bits.setCurrentIndex(0)
+
+    def overrides(self) -> ChatOverrides:
+        """The settings as the dialog shows them."""
+        values = {
+            name: None if box.value() == box.minimum() else box.value()
+            for name, box in self.boxes.items()
+        }
+        return ChatOverrides(**values, kv_bits=self.kv_bits.currentData())
+
+    def accept(self) -> None:
+        try:
+            self.chosen = self.prefs.check_chat(self.overrides())
+        except InvalidPreference as exc:  # a value the boxes allow and the rules do not
+            QMessageBox.warning(self, "Chat settings", f"The {exc}.")
+            return
+        super().accept()
+
+
+def chat_settings(
+    parent: QWidget, overrides: ChatOverrides, prefs: Preferences
+) -> ChatOverrides | None:
+    """This chat's settings as the user set them; None when cancelled or unchanged."""
+    dialog = ChatSettingsDialog(parent, overrides, prefs)
+    if not dialog.exec() or dialog.chosen == overrides:
+        return None
+    return dialog.chosen
