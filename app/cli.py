@@ -166,6 +166,9 @@ def _add_bench_commands(commands) -> None:
     speed.add_argument("--shape", default="qwen3-1.7b", help="qwen3-1.7b, or tiny for a smoke run")
     speed.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     speed.add_argument("--steps", type=int, default=64, help="decode steps timed per mode")
+    speed.add_argument(
+        "--attention", action="store_true", help="also time each step's attention alone"
+    )
     speed.add_argument("--json", action="store_true")
     ui = bench_commands.add_parser("ui", help="the window offscreen: first paint, streaming")
     ui.add_argument("--json", action="store_true")

@@ -113,7 +113,47 @@ def decode_tps(model, cache: list, steps: int, warmup: int = 4) -> float:
     return steps / (time.perf_counter() - started)
 
 
-def run(shape: str, lengths: list[int], steps: int, group_size: int = 64) -> dict:
+def attention_us(cache: list, heads: int, reps: int = 50) -> float:
+    """One decode step's attention alone, every layer, in microseconds (median of 7
+    timings of `reps` steps): the model's weights and its graph building left out,
+    which on a GPU are most of a small model's step and swing from run to run."""
+    import statistics
+
+    layer = cache[0]
+    dim = (
+        layer.state[0].shape[-1]
+        if isinstance(layer, KVCache)
+        else layer.exact[0].buffers[0].shape[-1]
+    )
+    q = mx.random.normal((1, heads, 1, dim), key=mx.random.key(3)).astype(mx.bfloat16)
+    if isinstance(layer, KVCache):
+        reads = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache]
+
+        def step():
+            return [
+                mx.fast.scaled_dot_product_attention(q, k, v, scale=dim**-0.5) for k, v in reads
+            ]
+    else:
+
+        def step():
+            return [c.attend(q, dim**-0.5, None) for c in cache]
+
+    for _ in range(5):
+        mx.eval(step())
+    timings = []
+    for _ in range(7):
+        mx.synchronize()
+        started = time.perf_counter()
+        for _ in range(reps):
+            mx.eval(step())
+        mx.synchronize()
+        timings.append((time.perf_counter() - started) / reps)
+    return statistics.median(timings) * 1e6
+
+
+def run(
+    shape: str, lengths: list[int], steps: int, group_size: int = 64, attention: bool = False
+) -> dict:
     model = random_model(shape)
     vocab = SHAPES[shape]["vocab_size"]
     results = []
@@ -130,6 +170,9 @@ def run(shape: str, lengths: list[int], steps: int, group_size: int = 64) -> dic
                 mx.reset_peak_memory()
                 row["decode_tps"] = decode_tps(model, cache, steps)
                 row["peak_bytes"] = mx.get_peak_memory()
+                if attention and not name.startswith("mlx-lm"):
+                    heads = SHAPES[shape]["num_attention_heads"]
+                    row["attention_us"] = attention_us(cache, heads)
             except (RuntimeError, ValueError) as exc:
                 row["error"] = str(exc).splitlines()[0][:160]
             results.append(row)
@@ -140,6 +183,8 @@ def run(shape: str, lengths: list[int], steps: int, group_size: int = 64) -> dic
             row["speed_vs_16bit"] = row["decode_tps"] / base["decode_tps"]
             row["kv_share"] = row["kv_bytes"] / base["kv_bytes"]
             row["peak_vs_16bit"] = row["peak_bytes"] / base["peak_bytes"]
+        if "attention_us" in row and "attention_us" in base:
+            row["attention_vs_16bit"] = base["attention_us"] / row["attention_us"]
     return {"shape": shape, "device": str(mx.default_device()), "rows": results}
 
 
@@ -156,6 +201,12 @@ def format_table(result: dict) -> str:
             f"{row['mode']:36}{row['context']:8}{row['decode_tps']:10.1f}"
             f"{row['speed_vs_16bit']:10.2f}{row['kv_share'] * 100:9.1f}%"
             f"{row['peak_bytes'] / 1e9:9.2f}"
+            + (
+                f"   attention {row['attention_us']:7.0f} us/step"
+                f" ({row.get('attention_vs_16bit', 1.0):.2f}x)"
+                if "attention_us" in row
+                else ""
+            )
         )
     return "\n".join(lines)
 
@@ -163,6 +214,6 @@ def format_table(result: dict) -> str:
 def main(args: argparse.Namespace) -> int:
     if args.shape not in SHAPES:
         raise UserError(f"Unknown shape {args.shape!r}; known: {', '.join(SHAPES)}")
-    result = run(args.shape, args.tokens, args.steps)
+    result = run(args.shape, args.tokens, args.steps, attention=args.attention)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0

@@ -299,6 +299,18 @@ def supports(layout, queries: mx.array) -> bool:
     )
 
 
+_last_meta: tuple[tuple, mx.array | None] = ((), None)
+
+
+def _meta(values: tuple) -> mx.array:
+    """The counts as a device array; every layer of a decode step has the same ones,
+    so a step uploads them once instead of once per layer."""
+    global _last_meta
+    if _last_meta[0] != values:
+        _last_meta = (values, mx.array(values, dtype=mx.int32))
+    return _last_meta[1]
+
+
 def _stages(head_dim: int, key_bits: int) -> bool:
     return stage_keys and CHUNK * (head_dim * key_bits // 32 + 1) * 4 <= _STAGE_BYTES
 
@@ -316,17 +328,8 @@ def decode(layout, queries: mx.array, scale: float) -> mx.array:
     nq = -(-bulk_len // CHUNK)
     chunks = nq + -(-exact_len // CHUNK)
     (scale_bits,) = struct.unpack("<i", struct.pack("<f", scale))
-    meta = mx.array(
-        [
-            layout.bulk[0].lo + layout.bulk_start,
-            bulk_len,
-            layout.exact[0].lo,
-            exact_len,
-            scale_bits,
-            nq,
-        ],
-        dtype=mx.int32,
-    )
+    bulk_lo, exact_lo = layout.bulk[0].lo + layout.bulk_start, layout.exact[0].lo
+    meta = _meta((bulk_lo, bulk_len, exact_lo, exact_len, scale_bits, nq))
     partial_shape = (B, kv_heads, chunks, group_heads)
     po, pm, pl = _kernel("partials")(
         inputs=[queries, meta, kw, ks, kb, vw, vs, vb, ek, ev],
