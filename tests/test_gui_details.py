@@ -55,6 +55,9 @@ def test_the_two_cache_sizes_say_which_is_which(qtbot, open_window):  # noqa: F8
     send(qtbot, window, "Say hello.", greedy_tokens=6)
     assert "in memory " in window.status.stats.text()
     assert "KV" not in window.status.stats.text()
+    # One number is called the context: the meter's (the cache holds a few tokens fewer).
+    assert "context" not in window.status.stats.text().lower()
+    qtbot.waitUntil(lambda: window.meter.label.text().startswith("Context: "), timeout=60_000)
     item = lambda: window.sidebar.list.item(0).text()  # noqa: E731
     qtbot.waitUntil(lambda: "saved " in item() and " MB" in item(), timeout=60_000)
     assert "cache" not in item()
