@@ -94,3 +94,20 @@ def test_the_matching_words_are_bold_in_the_result(qtbot):
     item.setData(MARKED_ROLE, "Deep snow in the hills")  # the same words, none bold
     plain = sidebar.list.viewport().grab(rect).toImage()
     assert bold != plain
+
+
+def test_opening_a_match_on_a_hidden_branch_shows_that_branch(qtbot, open_window):  # noqa: F811
+    store, _ = branched_chat()
+    window = open_window()
+    shown = lambda: [m.content for m in window.chat.messages]  # noqa: E731
+    window.sidebar.search.setText("albatrosses")
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 1, timeout=10_000)
+    window.sidebar.list.setCurrentRow(0)  # what Down or a click does
+    qtbot.waitUntil(lambda: "Albatrosses glide over the ocean." in shown(), timeout=30_000)
+    assert "Penguins swim in the ocean." not in shown()
+    window.sidebar.search.setText("ocean")  # on the branch now on screen: opened as it is
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 1, timeout=10_000)
+    window.sidebar.list.setCurrentRow(-1)
+    window.sidebar.list.setCurrentRow(0)
+    qtbot.wait(500)
+    assert "Albatrosses glide over the ocean." in shown()

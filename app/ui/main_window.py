@@ -188,6 +188,7 @@ class MainWindow(QMainWindow):
         self.header.keep_requested.connect(self.keep_chat_model)
         self.sidebar.new_requested.connect(self.new_chat)
         self.sidebar.conversation_selected.connect(self.show_conversation)
+        self.sidebar.match_opened.connect(self.show_match)
         self.sidebar.search_changed.connect(self.refresh_sidebar)
         self.sidebar.rename_requested.connect(self.rename)
         self.sidebar.delete_requested.connect(self.delete)
@@ -241,6 +242,14 @@ class MainWindow(QMainWindow):
         self.meter.clear()
         self.ask_context()
         self._prefetch(conversation_id)
+
+    @Slot(int, int)
+    def show_match(self, conversation_id: int, message_id: int) -> None:
+        """A search result on a hidden branch: the chat, switched to that branch."""
+        if self.generating:
+            return
+        self.show_conversation(conversation_id)
+        self.branch_requested.emit(conversation_id, message_id)
 
     def _show_header(self) -> None:
         chat = self.store.get(self.conversation_id) if self.conversation_id else None

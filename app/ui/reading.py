@@ -25,7 +25,7 @@ def sidebar_entries(store: ConversationStore, index: CacheIndex, query: str) -> 
     """Every conversation, newest first; with a query, those whose text matches it,
     each with the matching snippet. A match on the branch on screen is preferred; one
     only on another branch (a reply made again, an edited question) still finds the
-    chat, said to be elsewhere: opening the chat will not show it."""
+    chat, said to be elsewhere: opening it shows the branch the match is on."""
     caches = {c["conversation_id"]: c for c in index.conversations_summary()}
     if not query:
         return [SidebarEntry(c.id, c.title, caches.get(c.id), c.updated) for c in store.list()]
@@ -38,7 +38,9 @@ def sidebar_entries(store: ConversationStore, index: CacheIndex, query: str) -> 
         if c.id in found and (elsewhere or not found[c.id].elsewhere):
             continue  # the chat's newest match on the branch on screen is kept
         text = snippet(message.content, query)
-        found[c.id] = SidebarEntry(c.id, c.title, caches.get(c.id), c.updated, text, elsewhere)
+        found[c.id] = SidebarEntry(
+            c.id, c.title, caches.get(c.id), c.updated, text, elsewhere, message.id
+        )
     return list(found.values())
 
 

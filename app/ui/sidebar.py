@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
 SNIPPET_CHARS = 60
 ELSEWHERE = "(on another branch)"
 MARKED_ROLE = Qt.ItemDataRole.UserRole + 1  # a result's lines as HTML, the match in bold
+ELSEWHERE_ROLE = Qt.ItemDataRole.UserRole + 2  # a match on a hidden branch: its message id
 _PADDING = 4  # around a row's text: the focus ring (3 pixels) goes there
 
 
@@ -37,6 +38,7 @@ class SidebarEntry:
     updated: str  # ISO time of the last change
     snippet: str = ""  # a search's matching text
     elsewhere: bool = False  # the match is on a branch not on screen
+    message_id: int | None = None  # the matching message
 
 
 def day_label(iso_time: str, today: date | None = None) -> str:
@@ -141,6 +143,7 @@ def describe_cache(info: dict | None) -> str:
 
 class Sidebar(QWidget):
     conversation_selected = Signal(int)
+    match_opened = Signal(int, int)  # a search result on a hidden branch: chat, message
     new_requested = Signal()
     search_changed = Signal(str)
     rename_requested = Signal(int)
@@ -190,6 +193,8 @@ class Sidebar(QWidget):
                 note = f" <i>{ELSEWHERE}</i>" if entry.elsewhere else ""
                 item.setData(MARKED_ROLE, marked(entry.snippet, self.search.text()) + note)
             item.setData(Qt.ItemDataRole.UserRole, conversation_id)
+            if entry.elsewhere:
+                item.setData(ELSEWHERE_ROLE, entry.message_id)
             item.setToolTip(entry.title)
             self.list.addItem(item)
             if conversation_id == current:
@@ -208,8 +213,14 @@ class Sidebar(QWidget):
 
     def _selected(self) -> None:
         items = self.list.selectedItems()
-        if items:
-            self.conversation_selected.emit(items[0].data(Qt.ItemDataRole.UserRole))
+        if not items:
+            return
+        conversation_id = items[0].data(Qt.ItemDataRole.UserRole)
+        hidden_match = items[0].data(ELSEWHERE_ROLE)
+        if hidden_match is not None:  # open the chat on the branch the match is on
+            self.match_opened.emit(conversation_id, hidden_match)
+        else:
+            self.conversation_selected.emit(conversation_id)
 
     def _menu(self, position) -> None:
         item = self.list.itemAt(position)
