@@ -97,7 +97,7 @@ def test_the_matching_words_are_bold_in_the_result(qtbot):
 
 
 def test_opening_a_match_on_a_hidden_branch_shows_that_branch(qtbot, open_window):  # noqa: F811
-    store, _ = branched_chat()
+    branched_chat()  # in the app's database, before the window opens
     window = open_window()
     shown = lambda: [m.content for m in window.chat.messages]  # noqa: E731
     window.sidebar.search.setText("albatrosses")
