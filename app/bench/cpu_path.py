@@ -87,9 +87,7 @@ def measure_context(loaded: loading.LoadedModel, prompt: list[int], gguf: Path |
     return row
 
 
-def run(
-    model: str | None, count: int, contexts=(), gguf: Path | None = None, report=print
-) -> dict:
+def run(model: str | None, count: int, contexts=(), gguf: Path | None = None, report=print) -> dict:
     model_dir = models.resolve(model, paths.models_dir())
     loaded = loading.load(model_dir)
     prompt = prompt_tokens(loaded.tokenizer, count)
@@ -125,6 +123,7 @@ def context_text(row: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     gguf = llama_cpp_peer.gguf_for(args.peer, args.peer_gguf)
+
     def report(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
