@@ -104,6 +104,30 @@ def test_while_editing_the_meter_counts_the_chat_before_the_edited_message(
     assert window.meter.use.conversation > first_exchange.conversation + first_exchange.draft
 
 
+def test_an_edit_that_will_not_fit_stays_in_the_composer(qtbot, open_window):  # noqa: F811
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=8)
+    question = window.chat.messages[0].id
+    before = [m.content for m in window.chat.messages]
+    prefer(window, max_context=24)
+    long = " ".join([WORDS] * 3)
+    window.turns.on_chat_action("edit", question)
+    window.composer.edit.setPlainText(long)
+    qtbot.waitUntil(
+        lambda: (
+            window.meter.use is not None
+            and (window.meter.use.before, window.meter.use.draft_text) == (question, long)
+        ),
+        timeout=READY_MS,
+    )
+    assert window.meter.label.text().startswith("Too long to send")
+    window.composer.edit.submitted.emit()  # Enter
+    assert [m.content for m in window.chat.messages] == before  # the chat as it was
+    assert window.composer.editing == question  # still editing that message
+    assert window.composer.edit.toPlainText() == long  # nothing lost
+    assert not window.generating
+
+
 def live_count(window) -> int | None:
     text = window.meter.label.text()
     if "≈" not in text:

@@ -107,10 +107,13 @@ class ContextMeter(QWidget):
             self.label.setStyleSheet("")
             self.label.setText(live_text(self._prompt, self._pieces))
 
-    def known_not_to_fit(self, conversation_id: int | None, text: str) -> bool:
-        """Whether the last count already says that `text` does not fit this chat."""
+    def known_not_to_fit(
+        self, conversation_id: int | None, text: str, before: int | None = None
+    ) -> bool:
+        """Whether the last count already says that `text` does not fit this chat (in
+        place of message `before`, for an edit)."""
         use = self.use
-        counted = use is not None and use.conversation_id == conversation_id
+        counted = use is not None and (use.conversation_id, use.before) == (conversation_id, before)
         return counted and use.draft_text.strip() == text and not use.fits
 
     def show_use(self, use: ContextUse) -> None:

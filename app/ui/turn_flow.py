@@ -63,6 +63,11 @@ class TurnFlow(QObject):
     @Slot(int, str)
     def edit_sent(self, message_id: int, text: str) -> None:
         w = self.window
+        if w.meter.known_not_to_fit(w.conversation_id, text, before=message_id):
+            # Still being edited, nothing lost: the meter says why and what to do.
+            w.composer.begin_edit(message_id, w.store.message(message_id).content)
+            w.composer.edit.setPlainText(text)
+            return
         ids = [m.id for m in w.chat.messages]
         w.chat.show_messages(w.chat.messages[: ids.index(message_id)])
         w.chat.append_streaming(RenderedMessage(-1, "user", text))
