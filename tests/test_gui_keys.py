@@ -182,3 +182,37 @@ def test_escape_in_the_search_box_clears_the_search(qtbot, open_window):  # noqa
     qtbot.keyClicks(window.sidebar.search, "lighthouse")
     qtbot.keyClick(window.sidebar.search, Qt.Key.Key_Escape)
     assert window.sidebar.search.text() == ""
+
+
+def answer_the_box(qtbot, press) -> list:
+    """When a message box comes up, note its default button, then `press(box)`."""
+    seen = []
+
+    def look() -> None:
+        box = QApplication.activeModalWidget()
+        if box is None:
+            QTimer.singleShot(50, look)
+            return
+        seen.append(box.defaultButton().text())
+        press(box)
+
+    QTimer.singleShot(50, look)
+    return seen
+
+
+def test_enter_in_the_delete_box_keeps_the_chat_and_deleting_the_open_one_clears_it(
+    qtbot,
+    open_window,  # noqa: F811
+):
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=4)
+    chat = window.conversation_id
+    seen = answer_the_box(qtbot, lambda box: qtbot.keyClick(box, Qt.Key.Key_Return))
+    window.delete(chat)
+    assert seen == ["&No"] and window.store.get(chat).id == chat  # Enter: kept
+    yes = lambda box: box.button(box.StandardButton.Yes).click()  # noqa: E731
+    answer_the_box(qtbot, yes)
+    window.delete(chat)
+    # The chat on screen is gone: an empty new chat takes its place, not the old view.
+    qtbot.waitUntil(lambda: window.conversation_id is None, timeout=10_000)
+    assert window.chat.messages == [] and window.sidebar.list.count() == 0

@@ -27,8 +27,14 @@ def new_title(parent: QWidget, current: str) -> str | None:
 
 
 def confirm_delete(parent: QWidget, title: str) -> bool:
+    """Yes only when chosen: Enter keeps the chat (there is no undo)."""
+    buttons = QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No
     answer = QMessageBox.question(
-        parent, "Delete", f"Delete “{title or 'this chat'}” and its cache?"
+        parent,
+        "Delete",
+        f"Delete “{title or 'this chat'}” and its cache? This cannot be undone.",
+        buttons,
+        QMessageBox.StandardButton.No,
     )
     return answer == QMessageBox.StandardButton.Yes
 

@@ -345,10 +345,13 @@ class MainWindow(QMainWindow):
 
     @Slot(int)
     def on_changed(self, conversation_id: int) -> None:
-        """The worker changed something: read it again."""
+        """The worker changed something: read it again. The chat on screen deleted: an
+        empty new chat takes its place (the old view, left up, sent to a chat that was
+        gone)."""
+        on_screen = conversation_id in (0, self.conversation_id)
         if self.conversation_id is not None and not self._exists(self.conversation_id):
-            self.conversation_id = None
-        if conversation_id in (0, self.conversation_id) and not self.generating:
+            self.conversation_id, on_screen = None, True
+        if on_screen and not self.generating:
             self.show_conversation(self.conversation_id)
         self.refresh_sidebar()
 
