@@ -57,3 +57,38 @@ def test_this_test_process_runs_on_openblas_too():
     from app.engine import blas
 
     assert blas.CHOICE.name == "openblas", blas.CHOICE.note
+
+
+def test_a_4_bit_mixture_of_experts_runs_dequantized_with_its_stored_logits(
+    starter_model_dir, tmp_path
+):
+    """A 4-bit MoE download (its experts stacked in QuantizedSwitchLinear layers) on the
+    CPU path: every layer made dense, experts included (gather_qmm refused float32
+    experts), and the logits those of the weights as stored."""
+    import json
+
+    import families
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    from app.engine.loading import load
+
+    folder = families.build("moe", starter_model_dir, tmp_path)
+    stored = load(folder, compute="stored")
+    nn.quantize(stored.model, group_size=32, bits=4)
+    weights = dict(tree_flatten(stored.model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+
+    as_stored, dense = load(folder, compute="stored"), load(folder, compute="dense")
+    layers = [m for _, m in dense.model.named_modules()]
+    assert any(isinstance(m, SwitchLinear) for m in layers)
+    assert not any(isinstance(m, QuantizedSwitchLinear | nn.QuantizedLinear) for m in layers)
+    assert dense.compute.weights.startswith("float32")
+    tokens = mx.array([[5, 300, 1200, 44, 9]])
+    want, got = as_stored.model(tokens), dense.model(tokens)
+    assert mx.allclose(got, want.astype(mx.float32), atol=2e-2, rtol=2e-2).item()

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -26,6 +27,8 @@ from app.engine.errors import UserError
 
 # Dequantize on the CPU only while float32 weights take at most this share of RAM.
 _DENSE_MEMORY_SHARE = 0.4
+# The quantized layers, a mixture's stacked experts included.
+_QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
 
 
 @dataclass(frozen=True)
@@ -106,13 +109,7 @@ def _choose_compute(model: nn.Module, compute: str) -> ComputePath:
 
 
 def _stored_description(model: nn.Module) -> str:
-    bits = sorted(
-        {
-            m.bits
-            for _, m in model.named_modules()
-            if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
-        }
-    )
+    bits = sorted({m.bits for _, m in model.named_modules() if isinstance(m, _QUANTIZED)})
     if bits:
         return "/".join(str(b) for b in bits) + "-bit"
     sizes: dict[str, int] = {}
@@ -125,8 +122,8 @@ def _stored_description(model: nn.Module) -> str:
 def _parameter_count(model: nn.Module) -> int:
     total = 0
     for _, module in model.named_modules():
-        if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
-            total += module.weight.shape[0] * module.weight.shape[1] * 32 // module.bits
+        if isinstance(module, _QUANTIZED):
+            total += module.weight.size * 32 // module.bits
         elif not module.children():
             total += sum(v.size for _, v in tree_flatten(module.parameters()))
     return total
@@ -139,14 +136,28 @@ def _physical_memory() -> int:
         return 8 * 2**30
 
 
+def _dense_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
+    mode = getattr(module, "mode", "affine")
+    biases = module.get("biases")
+    return mx.dequantize(
+        module.weight, module.scales, biases, module.group_size, module.bits, mode=mode
+    ).astype(dtype)
+
+
 def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
     """Replace quantized layers by dense ones, and cast everything to `dtype`."""
 
     def dense(_path: str, module: nn.Module) -> nn.Module:
+        if isinstance(module, QuantizedSwitchLinear):  # a mixture's experts, stacked
+            weight = _dense_weight(module, dtype)
+            experts, outputs, inputs = weight.shape
+            layer = SwitchLinear(inputs, outputs, experts, bias="bias" in module)
+            if "bias" in module:
+                layer.bias = module.bias.astype(dtype)
+            layer.weight = weight
+            return layer
         if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
-            weight = mx.dequantize(
-                module.weight, module.scales, module.biases, module.group_size, module.bits
-            ).astype(dtype)
+            weight = _dense_weight(module, dtype)
             if isinstance(module, nn.QuantizedEmbedding):
                 layer = nn.Embedding(*weight.shape)
             else:
