@@ -150,6 +150,11 @@ def _add_bench_commands(commands) -> None:
     reopen.add_argument(
         "--tokens", type=int, nargs="+", default=[1024, 4096], help="history lengths to measure"
     )
+    reopen.add_argument(
+        "--shape",
+        help="a real shape with random weights instead of a model: qwen3-1.7b, "
+        "llama-3.1-8b, gemma3-1b (sliding window), qwen3-next-hybrid, tiny",
+    )
     _add_peer_arguments(reopen)
     reopen.add_argument("--json", action="store_true")
     kv = bench_commands.add_parser("kv", help="KV-cache quantization: quality, memory, speed")

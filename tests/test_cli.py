@@ -195,6 +195,23 @@ def test_bench_reopen_measures_each_size_and_skips_one_past_the_context(tiny_mod
     assert "skipped: 99999 tokens" in done.stderr
 
 
+def test_bench_reopen_on_a_shape_builds_it_with_random_weights(tiny_model_dir):
+    """`--shape`: a real shape's model class with random weights and the installed model's
+    tokenizer, measured like an installed model; an unknown shape is a clear error."""
+    done = reprise(
+        "bench", "reopen", "--model", str(tiny_model_dir), "--shape", "tiny",
+        "--tokens", "80", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["model"] == "random-tiny"
+    [row] = result["rows"]
+    assert row["history_tokens"] >= 80 and row["ttft_restore_s"] > 0
+    wrong = reprise("bench", "reopen", "--model", str(tiny_model_dir), "--shape", "gpt-9")
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
+    assert "Unknown shape 'gpt-9'" in wrong.stderr
+
+
 def test_bench_reopen_peer_without_what_it_needs_says_what_to_do(tiny_model_dir, tmp_path):
     """llama-cpp-python is a bench extra: without it, or without a GGUF to read, the peer
     is a message naming what is missing, before anything is measured."""

@@ -16,57 +16,13 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from app.engine.errors import UserError
+from app.bench.shapes import SHAPES, config_of, random_model
 from app.engine.kvconvert import to_mixed
 from app.engine.kvscheme import APP_SCHEMES, KVScheme
 
-SHAPES = {
-    # Qwen3-1.7B's config.json, less what does not change the arithmetic.
-    "qwen3-1.7b": {
-        "model_type": "qwen3",
-        "hidden_size": 2048,
-        "num_hidden_layers": 28,
-        "intermediate_size": 6144,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": True,
-    },
-    # Small enough for a CPU smoke run.
-    "tiny": {
-        "model_type": "qwen3",
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "intermediate_size": 256,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "vocab_size": 512,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": True,
-    },
-}
 PREFILL_STEP = 2048
-
-
-def random_model(shape: str, dtype: mx.Dtype = mx.bfloat16) -> nn.Module:
-    """The shape's architecture with random weights, 4-bit like a typical download."""
-    from mlx_lm.models import qwen3
-
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(SHAPES[shape]))
-    model.set_dtype(dtype)
-    nn.quantize(model, group_size=64, bits=4)
-    mx.eval(model.parameters())
-    return model
 
 
 def modes(group_size: int) -> dict[str, Callable[[KVCache], object]]:
@@ -212,8 +168,7 @@ def format_table(result: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.shape not in SHAPES:
-        raise UserError(f"Unknown shape {args.shape!r}; known: {', '.join(SHAPES)}")
+    config_of(args.shape)  # an unknown shape: a clear error before any work
     result = run(args.shape, args.tokens, args.steps, attention=args.attention)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0

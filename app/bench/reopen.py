@@ -24,10 +24,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from app.bench import llama_cpp_peer
+from app.bench import llama_cpp_peer, shapes
 from app.engine import loading, models
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
+from app.engine.errors import UserError
 from app.engine.generation import SamplingSettings
 from app.resource_files import resource
 from sessions import paths
@@ -128,14 +129,14 @@ def measure_prefetch(loaded, never_closed: ConversationEngine, conversation_id: 
 
 
 def main(args: argparse.Namespace) -> int:
-    model_dir = models.resolve(args.model, paths.models_dir())
-    loaded = loading.load(model_dir)
     rows, skipped = [], []
     peer = _peer(args)
-    if not args.json:
-        print(f"model: {model_dir.name}   engine path: {loaded.compute.describe()}")
-        print(HEADER, flush=True)
     with tempfile.TemporaryDirectory(prefix="reprise-bench-") as scratch:
+        model_dir = _model_dir(args, Path(scratch))
+        loaded = loading.load(model_dir)
+        if not args.json:
+            print(f"model: {model_dir.name}   engine path: {loaded.compute.describe()}")
+            print(HEADER, flush=True)
         os.environ["REPRISE_DATA_DIR"] = str(Path(scratch) / "data")
         os.environ["REPRISE_CACHE_DIR"] = str(Path(scratch) / "cache")
         for target in args.tokens:
@@ -151,6 +152,17 @@ def main(args: argparse.Namespace) -> int:
         result = {"model": model_dir.name, "compute": loaded.compute.describe(), "rows": rows}
         print(json.dumps({**result, "skipped": skipped}, indent=2))
     return 0
+
+
+def _model_dir(args: argparse.Namespace, scratch: Path) -> Path:
+    """The model to measure: an installed one, or with `--shape` a real shape with random
+    weights written into `scratch` (the starter model lends its tokenizer)."""
+    tokenizer_model = models.resolve(args.model, paths.models_dir())
+    if not args.shape:
+        return tokenizer_model
+    if args.peer:
+        raise UserError("--peer reads a GGUF of the same model: it cannot run with --shape")
+    return shapes.model_folder(args.shape, tokenizer_model, scratch / "models")
 
 
 def _peer(args: argparse.Namespace):
