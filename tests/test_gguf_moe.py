@@ -115,12 +115,14 @@ def test_q8_experts_stay_8_bit_exactly(tmp_path):
 
 def test_experts_requantized_to_4_bits_are_mlx_s_own_quantization(tmp_path):
     """At 4 bits each expert row is quantized again in groups of 32, as mlx quantizes
-    the file's values: the same codes for every expert (none dropped or swapped)."""
+    the file's values: the same codes for every expert (none dropped or swapped); the
+    router stays at 8 bits."""
     path, _, exact = _q8_experts(tmp_path)
 
     imported = import_in_child(path, tmp_path / "models", "moe-q4", bits=4)
 
     model, _ = load_model(imported.path)
+    assert model.model.layers[0].mlp.gate.bits == 8  # the router: mlx-lm's own choice
     for name, values in exact.items():
         block, part = name.removeprefix("model.layers.").split(".", 1)
         layer = model.model.layers[int(block)].mlp.switch_mlp

@@ -14,7 +14,8 @@ the file. What it becomes depends on `bits`, the import's choice:
 - 16: every tensor as float16 (the largest, no quantization error of our own).
 
 A mixture of experts' stacked expert matrices (experts x rows x columns) are
-matrices here too, quantized per expert row like any other. Tensors that are not
+matrices here too, quantized per expert row like any other; the router choosing
+among them is never below 8 bits. Tensors that are not
 matrices (norms, biases) are always float.
 """
 
@@ -65,6 +66,10 @@ def read_tensors(
 
 
 def _convert(record: TensorRecord, raw: np.ndarray, bits: int | None) -> tuple[list, str]:
+    if bits == 4 and record.name.endswith(".ffn_gate_inp.weight"):
+        # A mixture's router picks the experts: a small matrix that mlx-lm's own
+        # qwen3_moe quantization keeps at 8 bits, as llama.cpp keeps it float.
+        bits = 8
     shape = tuple(reversed(record.dims))  # GGUF lists the row length first
     # a matrix, or a stack of them (a mixture of experts' `ffn_*_exps`, experts first)
     matrix = len(shape) in (2, 3) and record.name.endswith(".weight")
