@@ -18,7 +18,8 @@ import tiny
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 96
 HEAD_DIM = 32  # qwen3 and gemma: a head size other than hidden / heads
-MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> mlx-lm module, where they differ
+# GGUF architecture -> mlx-lm module, where they differ
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 
 NAMES = {
     "model.embed_tokens": "token_embd",
@@ -35,6 +36,10 @@ NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router, and its stacked experts
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+    "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
 }
 
 
@@ -66,7 +71,7 @@ def config(arch: str, tied: bool, **extra) -> dict:
         "max_position_embeddings": 1024,
         "tie_word_embeddings": tied,
     }
-    if arch in ("qwen3", "gemma2", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
         config["head_dim"] = HEAD_DIM
     if arch.startswith("gemma"):  # llama.cpp's query scale for all but the 27B models
         config["query_pre_attn_scalar"] = HEAD_DIM

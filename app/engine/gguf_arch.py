@@ -19,6 +19,11 @@ between them, and why it matters:
   llama.cpp's own loader sets them.
 - Phi-3 keeps Q, K, V in one fused matrix (`attn_qkv`) and gate and up in another
   (`ffn_up`), as mlx-lm's phi3 does: names change, weights do not.
+- Qwen3-MoE is Qwen3 with a mixture of experts for every layer's MLP: a router
+  (`ffn_gate_inp`) and each projection of all experts stacked in one 3-D tensor
+  (`ffn_gate_exps` ...), experts x rows x columns once GGUF's reversed dimensions
+  are put back, which is the layout of mlx-lm's `SwitchGLU`. llama.cpp's graph
+  always renormalizes the chosen experts' weights (`norm_topk_prob`), so we do.
 - Metadata keys are prefixed with the architecture name (`qwen2.block_count`).
 """
 
@@ -63,6 +68,13 @@ _PHI3_BLOCK = {
     "attn_output": "self_attn.o_proj",
     "ffn_up": "mlp.gate_up_proj",
     "ffn_down": "mlp.down_proj",
+}
+_MOE_BLOCK = {k: v for k, v in _PER_BLOCK.items() if not k.startswith("ffn_")} | {
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
 _TOP_NAME = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
@@ -140,6 +152,43 @@ def _phi3_config(meta: dict, prefix: str, config: dict) -> dict:
     return {"partial_rotary_factor": rotary / head_dim}
 
 
+def _qwen3moe_config(meta: dict, prefix: str, config: dict) -> dict:
+    experts = meta_count(meta, f"{prefix}.expert_count")
+    used = meta_count(meta, f"{prefix}.expert_used_count")
+    if used > experts:
+        raise GGUFImportError(
+            f"This qwen3moe model uses {used} experts per token but has only {experts}"
+        )
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": meta_count(meta, f"{prefix}.expert_feed_forward_length"),
+        "decoder_sparse_step": 1,  # llama.cpp's qwen3moe: every layer a mixture
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    }
+
+
+def check_experts(weights: dict[str, mx.array], config: dict) -> None:
+    """Each stacked expert tensor must hold the experts the metadata counts, at its
+    sizes; a mismatch would otherwise fail only when the model is opened."""
+    if "num_experts" not in config:
+        return
+    hidden, ffn = config["hidden_size"], config["moe_intermediate_size"]
+    experts = config["num_experts"]
+    for key, value in weights.items():
+        if key.endswith(".mlp.gate.weight") and value.shape[0] != experts:
+            raise GGUFImportError(
+                f"{key} routes to {value.shape[0]} experts; the metadata says {experts}"
+            )
+        if ".switch_mlp." in key and key.endswith(".weight"):
+            rows = hidden if "down_proj" in key else ffn
+            if value.ndim != 3 or value.shape[:2] != (experts, rows):
+                raise GGUFImportError(
+                    f"{key} has shape {list(value.shape)}, not {experts} experts of {rows} rows"
+                )
+
+
 ARCHITECTURES = {
     arch.gguf_name: arch
     for arch in (
@@ -160,6 +209,15 @@ ARCHITECTURES = {
             False,
             _PER_BLOCK | _QK_NORMS,
             rope_theta=1000000.0,
+        ),
+        Architecture(
+            "qwen3moe",
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            False,
+            _MOE_BLOCK | _QK_NORMS,
+            rope_theta=1000000.0,
+            extra_config=_qwen3moe_config,
         ),
         Architecture(
             "gemma2",
@@ -305,7 +363,9 @@ def model_config(arch: Architecture, meta: dict, weights: dict[str, mx.array]) -
         raise GGUFImportError(f"This qwen2 model's head size ({head_dim}) is not supported")
     if arch.extra_config:
         config |= arch.extra_config(meta, prefix, config)
-    quantization = _quantization(weights, hidden, heads * head_dim, config["intermediate_size"])
+    check_experts(weights, config)
+    ffn = config.get("moe_intermediate_size", config["intermediate_size"])
+    quantization = _quantization(weights, hidden, heads * head_dim, ffn)
     if quantization:
         config["quantization"] = quantization
     return config

@@ -1,4 +1,4 @@
-"""Import a GGUF file (llama, qwen2, qwen3, gemma2, gemma3, phi3) into an MLX model folder.
+"""Import a GGUF file (llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3) into an MLX folder.
 
 - the file's structure and metadata read and checked by our own reader
   (`gguf_check`), and its tensors read from the verified offsets and stored as

@@ -13,7 +13,10 @@ the file. What it becomes depends on `bits`, the import's choice:
   blocks; group 64, mlx-lm's default, from a float one).
 - 16: every tensor as float16 (the largest, no quantization error of our own).
 
-Tensors that are not matrices (norms, biases) are always float.
+A mixture of experts' stacked expert matrices (experts x rows x columns) are
+matrices here too, quantized per expert row like any other; the router choosing
+among them is never below 8 bits. Tensors that are not
+matrices (norms, biases) are always float.
 """
 
 from __future__ import annotations
@@ -63,11 +66,16 @@ def read_tensors(
 
 
 def _convert(record: TensorRecord, raw: np.ndarray, bits: int | None) -> tuple[list, str]:
+    if bits == 4 and record.name.endswith(".ffn_gate_inp.weight"):
+        # A mixture's router picks the experts: a small matrix that mlx-lm's own
+        # qwen3_moe quantization keeps at 8 bits, as llama.cpp keeps it float.
+        bits = 8
     shape = tuple(reversed(record.dims))  # GGUF lists the row length first
-    matrix = len(shape) == 2 and record.name.endswith(".weight")
+    # a matrix, or a stack of them (a mixture of experts' `ffn_*_exps`, experts first)
+    matrix = len(shape) in (2, 3) and record.name.endswith(".weight")
     if record.type_name not in QUANTIZED_TYPES:
         values = _floats(record.type_name, raw).reshape(shape)
-        if matrix and bits in (4, 8) and shape[1] % _FLOAT_GROUP == 0:
+        if matrix and bits in (4, 8) and shape[-1] % _FLOAT_GROUP == 0:
             return _quantize(values, bits, _FLOAT_GROUP), f"{bits}-bit"
         if bits == 16 and values.dtype == np.float32 and matrix:
             values = values.astype(np.float16)
@@ -92,12 +100,13 @@ def _floats(type_name: str, raw: np.ndarray) -> np.ndarray:
 
 
 def _exact(groups: Groups, shape: tuple[int, ...]) -> list[mx.array]:
-    rows, columns = shape
+    *outer, columns = shape
     per_row = columns // _QUANTIZED_GROUP
+    packed = pack(groups.q.reshape(-1, columns), groups.bits)
     return [
-        mx.array(pack(groups.q.reshape(rows, columns), groups.bits)),
-        mx.array(groups.scale.reshape(rows, per_row).astype(np.float16)),
-        mx.array(groups.bias.reshape(rows, per_row).astype(np.float16)),
+        mx.array(packed.reshape(*outer, -1)),
+        mx.array(groups.scale.reshape(*outer, per_row).astype(np.float16)),
+        mx.array(groups.bias.reshape(*outer, per_row).astype(np.float16)),
     ]
 
 

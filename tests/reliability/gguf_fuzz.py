@@ -1,5 +1,10 @@
 """Fuzzed GGUF files: the tiny model's GGUF, mutated many ways, each imported for real.
 
+The base file is the tiny llama with an MLP 256 wide, so that its down projections
+can be K-quant matrices (rows of whole 256-value super-blocks): layer 0's is Q6_K,
+layer 1's Q4_K, written with the `gguf` package; every other tensor is as `tiny`
+writes it. So the block decoders see damaged blocks too, not only float tensors.
+
 Run as a script (by test_gguf_fuzz.py, in a child process of its own, so that a crash
 is a failed test that names its trial rather than the end of pytest). Each trial
 ends in an imported model or a `GGUFImportError`; anything else is a failure. Before
@@ -27,6 +32,47 @@ import tiny  # noqa: E402
 from app.engine.gguf_import import GGUFImportError, import_gguf  # noqa: E402
 
 BIG = [0, 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**63, 2**64 - 1]
+K_FFN = 256
+# K-quant type -> (its GGML type id, bytes per block of 256, where its float16 super-block
+# scale d sits, a small d (2^-14, 2^-12) so that the random blocks are sane weights)
+K_QUANTS = {"Q6_K": (14, 210, 208, b"\x00\x04"), "Q4_K": (12, 144, 0, b"\x00\x0c\x00\x0c")}
+F16_SPECIALS = [0x7C00, 0xFC00, 0x7E00, 0x7BFF, 0x0001, 0x0000]  # inf, -inf, NaN, max, tiny, 0
+
+
+def base_file(path: Path) -> bytes:
+    # imported here, after app.engine (OpenBLAS before mlx), which import sorting would undo
+    import gguf_models
+    import mlx.core as mx
+    import numpy as np
+
+    arrays = tiny.tensors()
+    rng = np.random.default_rng(0)
+    raw = {}
+    for i, (type_name, (_, size, at, scale)) in enumerate(K_QUANTS.items()):
+        for part in ("ffn_gate", "ffn_up"):
+            arrays[f"blk.{i}.{part}.weight"] = (
+                0.2 * mx.random.normal((K_FFN, tiny.HIDDEN))
+            ).astype(mx.float16)
+        blocks = rng.integers(0, 256, size=(tiny.HIDDEN, K_FFN // 256, size), dtype=np.uint8)
+        blocks[:, :, at : at + len(scale)] = np.frombuffer(scale, dtype=np.uint8)
+        raw[f"blk.{i}.ffn_down.weight"] = (blocks.reshape(tiny.HIDDEN, -1), type_name)
+    meta = tiny.metadata(**{"llama.feed_forward_length": mx.array(K_FFN, dtype=mx.uint32)})
+    gguf_models.write_with_gguf_package(path, "llama", arrays, raw, meta)
+    return path.read_bytes()
+
+
+def mutate_k_quant(g: GGUF, out: bytearray, header_end: int, rng: random.Random) -> None:
+    """Random bytes inside a K-quant matrix's blocks, or a special value as one block's scale."""
+    kinds = {type_id: (size, at) for type_id, size, at, _ in K_QUANTS.values()}
+    tensor = rng.choice([t for t in g.tensors if t.ggml_type in kinds])
+    size, at = kinds[tensor.ggml_type]
+    start = header_end + tensor.offset
+    blocks = tensor.dims[0] // 256 * tensor.dims[1]
+    if rng.random() < 0.5:
+        poke(out, start + rng.randrange(blocks) * size + at, "<H", rng.choice(F16_SPECIALS))
+    else:
+        for _ in range(rng.randint(1, 64)):
+            out[start + rng.randrange(blocks * size)] = rng.randrange(256)
 
 
 def entry_offsets(g: GGUF) -> list[int]:
@@ -94,6 +140,7 @@ def mutate(valid: bytes, rng: random.Random) -> tuple[str, bytes, int]:
             "header byte",
             "header bytes",
             "data bytes",
+            "k-quant bytes",
             "truncate",
             "insert byte",
             "delete byte",
@@ -119,6 +166,8 @@ def mutate(valid: bytes, rng: random.Random) -> tuple[str, bytes, int]:
     elif kind == "data bytes":
         for _ in range(rng.randint(1, 64)):
             out[rng.randrange(header_end, len(out))] ^= 1 << rng.randrange(8)
+    elif kind == "k-quant bytes":
+        mutate_k_quant(g, out, header_end, rng)
     elif kind == "truncate":
         del out[rng.randrange(0, len(out)) :]
     elif kind == "insert byte":
@@ -140,7 +189,7 @@ def mutate(valid: bytes, rng: random.Random) -> tuple[str, bytes, int]:
 
 
 def run(trials: int, seed: int, workdir: Path) -> dict:
-    valid = tiny.write_gguf(workdir / "valid.gguf").read_bytes()
+    valid = base_file(workdir / "valid.gguf")
     rng = random.Random(seed)
     path = workdir / "fuzzed.gguf"
     models = workdir / "models"
