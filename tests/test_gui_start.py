@@ -83,3 +83,26 @@ def test_with_no_model_the_window_says_where_to_add_one(qtbot, monkeypatch):
     assert "File → Models…" in warned[0] and "reprise models" not in warned[0]
     assert window.models.state.text() == "No model loaded"
     window.close()
+
+
+def test_a_restart_reopens_the_last_chat_and_restores_its_cache(qtbot, library):  # noqa: F811
+    window = MainWindow()
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitUntil(lambda: window.models.ready, timeout=READY_MS)
+    prefer(window, temperature=0.0, max_tokens=6)
+    window.composer.edit.setPlainText("Name a colour.")
+    window.composer.edit.submitted.emit()
+    wait_reply(qtbot, window)
+    chat = window.conversation_id
+    qtbot.waitUntil(lambda: window.index.conversation(chat) is not None, timeout=READY_MS)
+    window.close()
+
+    again = MainWindow()  # as after quitting and starting the app again
+    qtbot.addWidget(again)
+    again.show()
+    assert again.conversation_id == chat
+    assert [m.content for m in again.chat.messages][0] == "Name a colour."
+    qtbot.waitUntil(lambda: again.status.message.text().startswith("Ready: "), timeout=READY_MS)
+    assert "tokens restored in" in again.status.message.text()
+    again.close()

@@ -96,7 +96,8 @@ class MainWindow(QMainWindow):
         self._wire()
         self.refresh_models()
         self.refresh_sidebar()
-        self.show_conversation(None)
+        chats = self.store.list()  # the most recently used first: reopen it, as it was left
+        self.show_conversation(chats[0].id if chats else None)
         self.composer.edit.setFocus()  # open ready to type
         self.load_model_requested.emit(self.models.current())
 
