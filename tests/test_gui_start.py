@@ -102,7 +102,7 @@ def test_a_restart_reopens_the_last_chat_and_restores_its_cache(qtbot, library):
     qtbot.addWidget(again)
     again.show()
     assert again.conversation_id == chat
-    assert [m.content for m in again.chat.messages][0] == "Name a colour."
+    assert again.chat.messages[0].content == "Name a colour."
     qtbot.waitUntil(lambda: again.status.message.text().startswith("Ready: "), timeout=READY_MS)
     assert "tokens restored in" in again.status.message.text()
     again.close()
