@@ -143,3 +143,38 @@ def test_found_models_are_imported_or_used_in_place_then_chatted_with(
     assert (hub / "models--mlx-community--tiny-4bit" / "blobs").is_dir()
     assert all(p.is_file() for p in (hub / "models--mlx-community--tiny-4bit").rglob("*.json"))
     engine.shutdown()
+
+
+def test_enter_on_a_found_row_imports_it_and_keeps_the_dialog_open(qtbot, tmp_path):
+    """Tab reaches the list, not the buttons inside it: Enter (or Space) on a row presses
+    its button; an installed one does nothing; the dialog's Close does not take Enter."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QDialog, QDialogButtonBox, QVBoxLayout
+
+    from app.engine.found import GGUF, LMSTUDIO, Discovery, FoundModel
+    from app.ui.found_list import FoundList
+
+    dialog = QDialog()
+    qtbot.addWidget(dialog)
+    found_list = FoundList()
+    close = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+    close.rejected.connect(dialog.reject)
+    layout = QVBoxLayout(dialog)
+    layout.addWidget(found_list)
+    layout.addWidget(close)
+    gguf = tmp_path / "a.gguf"
+    rows = [
+        FoundModel("a", "pub/a/a.gguf", LMSTUDIO, GGUF, gguf, 10),
+        FoundModel("b", "pub/b/b.gguf", LMSTUDIO, GGUF, tmp_path / "b.gguf", 10, "b"),
+    ]
+    found_list.show_found(Discovery(rows))
+    dialog.show()
+    asked = []
+    found_list.import_requested.connect(lambda path, name: asked.append((path, name)))
+    found_list.table.setFocus()
+    found_list.table.setCurrentItem(found_list.table.topLevelItem(0))
+    qtbot.keyClick(found_list.table, Qt.Key.Key_Return)
+    assert asked == [(str(gguf), "a")] and dialog.isVisible()
+    found_list.table.setCurrentItem(found_list.table.topLevelItem(1))  # installed already
+    qtbot.keyClick(found_list.table, Qt.Key.Key_Space)
+    assert len(asked) == 1 and dialog.isVisible()

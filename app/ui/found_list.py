@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QLabel,
     QPushButton,
@@ -16,6 +17,22 @@ from app.engine import found
 from app.engine.found import Discovery, FoundModel
 
 ACTION_COLUMN = 3
+_PRESS_KEYS = (Qt.Key.Key_Return, Qt.Key.Key_Enter, Qt.Key.Key_Space)
+
+
+class _Rows(QTreeWidget):
+    """Enter or Space on a row presses its Import or Use button: Tab never reaches a
+    button inside the list, and Enter went on to the dialog's Close."""
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        row = self.currentItem()
+        if event.key() in _PRESS_KEYS and row is not None:
+            button = self.itemWidget(row, ACTION_COLUMN)
+            if button is not None and button.isEnabled():
+                button.click()
+            event.accept()
+            return
+        super().keyPressEvent(event)
 
 
 class FoundList(QWidget):
@@ -29,7 +46,7 @@ class FoundList(QWidget):
         self.title = QLabel("<b>Found on this computer</b>")
         self.status = QLabel("Looking in LM Studio's, Ollama's and Hugging Face's folders…")
         self.status.setWordWrap(True)
-        self.table = QTreeWidget()
+        self.table = _Rows()
         self.table.setHeaderLabels(["Name", "Source", "Size", ""])
         self.table.setRootIsDecorated(False)
         layout = QVBoxLayout(self)
@@ -60,7 +77,7 @@ class FoundList(QWidget):
     def _add_row(self, item: FoundModel) -> None:
         how = "GGUF, imported into the library" if item.kind == found.GGUF else "MLX, used in place"
         row = QTreeWidgetItem([item.label, item.source, f"{item.size_bytes / 1e6:,.0f} MB"])
-        row.setToolTip(0, f"{item.path}\n{how}")
+        row.setToolTip(0, f"{item.path}\n{how} (Enter or the button)")
         self.table.addTopLevelItem(row)
         if item.installed_as:
             button = QPushButton("Installed")
