@@ -111,3 +111,33 @@ def test_opening_a_match_on_a_hidden_branch_shows_that_branch(qtbot, open_window
     window.sidebar.list.setCurrentRow(0)
     qtbot.wait(500)
     assert "Albatrosses glide over the ocean." in shown()
+
+
+def test_search_results_open_from_the_keyboard(qtbot, open_window):  # noqa: F811
+    """Down (or Enter) in the search box opens the first result; Enter on a row in the
+    list opens it."""
+    from PySide6.QtCore import Qt
+
+    window = open_window()
+    send(qtbot, window, "Tell me about penguins.", greedy_tokens=4)
+    first = window.conversation_id
+    window.new_chat()
+    send(qtbot, window, "Tell me about puffins.", greedy_tokens=4)
+    window.new_chat()
+    window.sidebar.search.setFocus()
+    window.sidebar.search.setText("penguins")
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 1, timeout=10_000)
+    qtbot.keyClick(window.sidebar.search, Qt.Key.Key_Down)
+    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
+    assert window.sidebar.list.hasFocus()
+    window.sidebar.search.setText("")  # every chat again; move to the other and press Enter
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 2, timeout=10_000)
+    other = next(
+        r for r in range(2)
+        if window.sidebar.list.item(r).data(Qt.ItemDataRole.UserRole) != first
+    )  # fmt: skip
+    window.sidebar.list.setCurrentRow(
+        other, window.sidebar.list.selectionModel().SelectionFlag.NoUpdate
+    )
+    qtbot.keyClick(window.sidebar.list, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: window.conversation_id not in (None, first), timeout=10_000)

@@ -174,7 +174,27 @@ class Sidebar(QWidget):
         # Selected, not made current: Tab into the list makes its first row current
         # (to show the focus there) and must not open that chat.
         self.list.itemSelectionChanged.connect(self._selected)
+        self.list.itemActivated.connect(self._activated)  # Enter on the current row
+        self.search.returnPressed.connect(self._to_results)
         self.list.customContextMenuRequested.connect(self._menu)
+
+    def keyPressEvent(self, event) -> None:
+        """Down in the search box goes to the results (the box has no use for it)."""
+        if event.key() == Qt.Key.Key_Down and self.search.hasFocus():
+            self._to_results()
+            return
+        super().keyPressEvent(event)
+
+    def _to_results(self) -> None:
+        """From the search box to the list, the first result opened."""
+        if self.list.count():
+            self.list.setFocus()
+            self.list.setCurrentRow(0)
+            self.list.item(0).setSelected(True)
+
+    def _activated(self, item: QListWidgetItem) -> None:
+        if not item.isSelected():
+            item.setSelected(True)  # opens it (`_selected`)
 
     def show_conversations(self, entries: list[SidebarEntry], current: int | None) -> None:
         """Entries in display order: the title, the day and the cache; a search's match."""
