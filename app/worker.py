@@ -52,6 +52,7 @@ class EngineWorker(QObject):
     model_added = Signal(str)  # the new model's name; "" when an import or download failed
     prefetched = Signal(int, object)  # conversation, RestoreInfo: its cache is in memory
     models_found = Signal(object)  # found.Discovery: what other tools keep on this computer
+    exported = Signal(str)  # the file a chat was exported to
 
     def __init__(self) -> None:
         super().__init__()
@@ -279,9 +280,9 @@ class EngineWorker(QObject):
 
     @Slot(int, str, str)
     def export_text(self, conversation_id: int, fmt: str, path: str) -> None:
-        self._attempt(
-            "Export", lambda: self.service().export_text(conversation_id, fmt, Path(path))
-        )
+        written = lambda: self.service().export_text(conversation_id, fmt, Path(path))  # noqa: E731
+        if self._attempt("Export", written):
+            self.exported.emit(path)
 
     @Slot(object)
     def save_preferences(self, prefs: Preferences) -> None:

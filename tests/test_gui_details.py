@@ -83,3 +83,16 @@ def test_a_message_longer_than_the_context_is_not_offered_a_new_chat(qtbot):
     assert "new chat" not in meter.label.text() and not meter.fresh.isVisibleTo(meter)
     meter.show_use(ContextUse(3, "x", conversation=8000, draft=300, limit=8192))
     assert meter.label.text().endswith("or send it in a new chat.")
+
+
+def test_an_export_says_where_it_went(qtbot, open_window, tmp_path, monkeypatch):  # noqa: F811
+    from PySide6.QtWidgets import QFileDialog
+
+    target = tmp_path / "chat.md"
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(target), ""))
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=4)
+    window.export(window.conversation_id, "markdown")  # what Ctrl+E does
+    qtbot.waitUntil(lambda: target.is_file(), timeout=10_000)
+    qtbot.waitUntil(lambda: window.status.message.text() == f"Exported to {target}", timeout=10_000)
+    assert "Say hello." in target.read_text()

@@ -172,6 +172,7 @@ class MainWindow(QMainWindow):
         worker.saved.connect(self.on_saved)
         worker.changed.connect(self.on_changed)
         worker.failed.connect(self.on_failed)
+        worker.exported.connect(self.status.on_exported)
         worker.busy_changed.connect(self.on_busy)
         worker.context_counted.connect(self.on_context_counted)
         worker.prefetched.connect(self.on_prefetched)

@@ -151,6 +151,10 @@ class TurnStatus(QObject):
         if saved.error:
             self.message.setText(f"The cache was not saved: {saved.error}")
 
+    @Slot(str)
+    def on_exported(self, path: str) -> None:
+        self.message.setText(f"Exported to {path}")
+
     def on_failed(self, message: str) -> None:
         self.progress.hide()
         self.message.setText(message.splitlines()[0])
