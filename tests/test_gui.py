@@ -231,19 +231,26 @@ def test_the_window_cannot_write_the_database(qtbot, open_window):
         window.store.create("any model")
 
 
-def test_the_kv_choices_show_the_measured_trade_offs(qtbot, library):
-    """The lines come from the benchmark's figures shipped with the app."""
-    figures = json.loads(KV_FIGURES.read_text())
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_the_kv_choices_show_the_trade_offs_measured_for_this_device(qtbot, library, device):
+    """The lines come from the benchmark's figures shipped with the app, those of the
+    device the model runs on, in plain words; the details only matter when saving."""
+    figures = json.loads(KV_FIGURES[device].read_text())
     four = next(r for r in figures["rows"] if r["mode"] == figures["app_modes"]["4-bit"])
     sixteen = next(r for r in figures["rows"] if r["mode"] == "16-bit")
-    dialog = PreferencesDialog(Preferences(), 0)
+    dialog = PreferencesDialog(Preferences(), 0, device=device)
     qtbot.addWidget(dialog)
     dialog.kv_bits.setCurrentIndex(2)
     line = dialog.kv_explanation.text()
-    assert line.startswith(f"{four['kv_bytes'] / sixteen['kv_bytes']:.0%} of the 16-bit memory")
+    share = four["kv_bytes"] / sixteen["kv_bytes"]
+    assert line.startswith(f"{share:.0%} of the memory of full precision")
     assert f"perplexity {(four['ppl'] / sixteen['ppl'] - 1) * 100:+.1f}%" in line
+    assert f"{four['decode_tps'] / sixteen['decode_tps']:.2f}x as fast" in line
+    assert ("H200" in line) == (device == "gpu") and "4-grams" not in line
+    assert dialog.kv_group_size.isEnabled() and dialog.kv_bits.toolTip()
     dialog.kv_bits.setCurrentIndex(0)
     assert "Full precision" in dialog.kv_explanation.text()
+    assert not dialog.kv_group_size.isEnabled()
 
 
 def test_without_figures_the_kv_lines_still_say_something(tmp_path):

@@ -78,7 +78,8 @@ def on_this_chat(window: MainWindow, action: Callable[[int], None]) -> None:
 
 
 def open_preferences(window: MainWindow) -> None:
-    dialog = PreferencesDialog(window.preferences(), window.index.usage()[1], window)
+    device = "gpu" if window.models.compute.startswith("gpu") else "cpu"
+    dialog = PreferencesDialog(window.preferences(), window.index.usage()[1], window, device)
     dialog.clear_caches_requested.connect(window.clear_caches_requested)
     if dialog.exec() and dialog.chosen is not None:
         window.ask_to_save(dialog.chosen)

@@ -29,6 +29,7 @@ class ModelBar(QToolBar):
         # A toolbar shows or hides its widgets through their actions.
         self.loading_action = self.addWidget(self.loading)
         self.ready = False
+        self.compute = ""  # how the loaded model runs, once one is
         self.picker.activated.connect(self._on_activated)
 
     def show_models(self, names: list[str], *preferred: str) -> None:
@@ -56,6 +57,7 @@ class ModelBar(QToolBar):
     def show_loaded(self, name: str, compute: str) -> None:
         """Ready; how the model runs (device, weights, BLAS) is a tooltip, not jargon on the bar."""
         self.ready = True
+        self.compute = compute  # "cpu, float32 …" or "gpu, …": which measured figures apply
         self.state.setText("Ready")
         self.state.setToolTip(f"Running on {compute}")
         self.loading_action.setVisible(False)

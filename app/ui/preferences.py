@@ -40,8 +40,22 @@ from app.service.preferences import (
 from app.ui.theme import THEME_LABELS, chat_colours
 from sessions import paths
 
-# `reprise bench kv --save resources/kv-bench.json`: the measured trade-offs shown here.
-KV_FIGURES = resource("kv-bench.json")
+# `reprise bench kv --save resources/kv-bench.json` (on the H200) and `...-cpu.json` (on this
+# project's 2-core CPU): the measured trade-offs shown here, for the device the model runs on.
+KV_FIGURES = {"gpu": resource("kv-bench.json"), "cpu": resource("kv-bench-cpu.json")}
+_MEASURED_ON = {
+    "gpu": "on an NVIDIA H200 GPU (not measured on Apple silicon)",
+    "cpu": "on the CPU path, 2 x86 cores",
+}
+KV_HELP = (
+    "Keeps the chat's memory of what was said (the model's key/value cache) in 8 or 4 bits "
+    "instead of 16: long chats take less memory and answers change only slightly."
+)
+GROUP_HELP = (
+    "How many numbers share one scale when they are stored in fewer bits: smaller groups "
+    "are more precise and take a little more memory. 64 suits most models."
+)
+START_HELP = "The first tokens of every chat stay at full precision until it is this long."
 
 
 def kv_label(bits: int | None) -> str:
@@ -55,26 +69,32 @@ def kv_label_of(kv_format: str) -> str:
     return kind if kind in ("8-bit", "4-bit") else kv_label(None)
 
 
-def kv_tradeoffs(path: Traversable = KV_FIGURES) -> dict[int | None, str]:
-    """One honest line per KV choice, from the figures `reprise bench kv` measured."""
-    lines = {None: "Full precision: the most memory; the reference for the other two."}
+def _quality(change: float) -> str:
+    """A perplexity change in words: how much less sure the model is of each next word."""
+    if abs(change) < 0.0005:
+        return "Answers stay the same as far as measured (perplexity unchanged)."
+    return f"Answers stay close: perplexity {change * 100:+.1f}% (lower is surer)."
+
+
+def kv_tradeoffs(path: Traversable = KV_FIGURES["cpu"], device: str = "cpu") -> dict:
+    """One plain line per KV choice, from the figures `reprise bench kv` measured."""
+    lines = {None: "Full precision: the most memory; answers as the model gives them."}
     try:
         figures = json.loads(path.read_text())
         rows = {row["mode"]: row for row in figures["rows"]}
         base = rows["16-bit"]
-        where = "on a GPU" if figures.get("compute", "").startswith("gpu") else "on the CPU"
+        where = f"{figures['model']}, {figures['tokens']:,} tokens, {_MEASURED_ON[device]}"
         lines[None] = (
             f"Full precision: the most memory ({base['kv_bytes'] / 1e6:.0f} MB at "
-            f"{figures['tokens']:,} tokens on {figures['model']}); the reference quality."
+            f"{figures['tokens']:,} tokens on {figures['model']}); answers as the model gives them."
         )
         for label, mode in figures["app_modes"].items():
             row = rows[mode]
             lines[int(label.split("-")[0])] = (
-                f"{row['kv_bytes'] / base['kv_bytes']:.0%} of the 16-bit memory; perplexity "
-                f"{(row['ppl'] / base['ppl'] - 1) * 100:+.1f}%, repeated 4-grams "
-                f"{row['repeat_4gram']:.0%} (16-bit {base['repeat_4gram']:.0%}), decoding "
-                f"{row['decode_tps'] / base['decode_tps']:.2f}x as fast (measured on "
-                f"{figures['model']}, {figures['tokens']:,} tokens {where})."
+                f"{row['kv_bytes'] / base['kv_bytes']:.0%} of the memory of full precision. "
+                f"{_quality(row['ppl'] / base['ppl'] - 1)} "
+                f"Replies come {row['decode_tps'] / base['decode_tps']:.2f}x as fast. "
+                f"Measured with {where}."
             )
     except (OSError, ValueError, KeyError, TypeError):
         lines |= {8: "About half the memory of 16-bit.", 4: "About a third of the memory."}
@@ -87,8 +107,11 @@ GIB = 2**30
 class PreferencesDialog(QDialog):
     clear_caches_requested = Signal()
 
-    def __init__(self, prefs: Preferences, cache_usage_bytes: int, parent=None) -> None:
+    def __init__(
+        self, prefs: Preferences, cache_usage_bytes: int, parent=None, device: str = "cpu"
+    ) -> None:
         super().__init__(parent)
+        self.device = device if device in KV_FIGURES else "cpu"
         self.setWindowTitle("Preferences")
         self.initial = prefs
         self.chosen: Preferences | None = None  # set by OK
@@ -122,7 +145,7 @@ class PreferencesDialog(QDialog):
         form.addRow("Top-p", self.top_p)
         form.addRow("Min-p", self.min_p)
         form.addRow("Repetition penalty", self.repetition_penalty)
-        form.addRow("Max reply tokens", self.max_tokens)
+        form.addRow("Reply length limit (tokens)", self.max_tokens)
         form.addRow("Default system prompt", self.system_prompt)
         return page
 
@@ -130,7 +153,7 @@ class PreferencesDialog(QDialog):
         page = QWidget()
         form = QFormLayout(page)
         self.kv_bits = QComboBox()
-        self.kv_lines = kv_tradeoffs()
+        self.kv_lines = kv_tradeoffs(KV_FIGURES[self.device], self.device)
         for bits in KV_CHOICES:
             self.kv_bits.addItem(kv_label(bits), bits)
         self.kv_bits.setCurrentIndex(KV_CHOICES.index(values["kv_bits"]))
@@ -145,10 +168,13 @@ class PreferencesDialog(QDialog):
         self.kv_warning = QLabel()
         self.kv_warning.setWordWrap(True)
         self.kv_warning.setStyleSheet(f"color: {chat_colours().warning}")
-        form.addRow("KV cache quantization", self.kv_bits)
+        self.kv_bits.setToolTip(KV_HELP)
+        self.kv_group_size.setToolTip(GROUP_HELP)
+        self.quantized_kv_start.setToolTip(START_HELP)
+        form.addRow("Memory saving", self.kv_bits)
         form.addRow("", self.kv_explanation)
-        form.addRow("Group size", self.kv_group_size)
-        form.addRow("Quantize after (tokens)", self.quantized_kv_start)
+        form.addRow("Precision groups", self.kv_group_size)
+        form.addRow("Full precision until (tokens)", self.quantized_kv_start)
         self.max_context = self._int(0, 1_048_576, values["max_context"] or 0)
         self.max_context.setSpecialValueText("The model's own")
         form.addRow("Maximum context (tokens)", self.max_context)
@@ -200,6 +226,9 @@ class PreferencesDialog(QDialog):
 
     def _explain_kv(self) -> None:
         self.kv_explanation.setText(self.kv_lines.get(self.kv_bits.currentData(), ""))
+        saving = self.kv_bits.currentData() is not None  # the details matter only then
+        self.kv_group_size.setEnabled(saving)
+        self.quantized_kv_start.setEnabled(saving)
         now = (self.kv_bits.currentData(), self.kv_group_size.currentData())
         changed = now != self._initial_kv and self._initial_kv[0] is not None
         self.kv_warning.setText(
