@@ -25,6 +25,7 @@ from app.ui.asking import PromptDialog
 from app.ui.chat_view import ChatView
 from app.ui.main_window import MainWindow
 from app.ui.preferences import KV_FIGURES, PreferencesDialog, kv_tradeoffs
+from app.ui.setting_words import FIELDS
 from app.ui.turn_status import TurnStatus
 from sessions import paths
 from sessions.db import open_db
@@ -248,6 +249,7 @@ def test_the_kv_choices_show_the_trade_offs_measured_for_this_device(qtbot, libr
     assert f"{four['decode_tps'] / sixteen['decode_tps']:.2f}x as fast" in line
     assert ("H200" in line) == (device == "gpu") and "4-grams" not in line
     assert dialog.kv_group_size.isEnabled() and dialog.kv_bits.toolTip()
+    assert all(getattr(dialog, name).toolTip() for name in FIELDS)  # every setting explained
     dialog.kv_bits.setCurrentIndex(0)
     assert "Full precision" in dialog.kv_explanation.text()
     assert not dialog.kv_group_size.isEnabled()

@@ -37,6 +37,7 @@ from app.service.preferences import (
     InvalidPreference,
     Preferences,
 )
+from app.ui.setting_words import FIELDS, KV_TIP
 from app.ui.theme import THEME_LABELS, chat_colours
 from sessions import paths
 
@@ -47,10 +48,6 @@ _MEASURED_ON = {
     "gpu": "on an NVIDIA H200 GPU (not measured on Apple silicon)",
     "cpu": "on the CPU path, 2 x86 cores",
 }
-KV_HELP = (
-    "Keeps the chat's memory of what was said (the model's key/value cache) in 8 or 4 bits "
-    "instead of 16: long chats take less memory and answers change only slightly."
-)
 GROUP_HELP = (
     "How many numbers share one scale when they are stored in fewer bits: smaller groups "
     "are more precise and take a little more memory. 64 suits most models."
@@ -141,11 +138,11 @@ class PreferencesDialog(QDialog):
         self.max_tokens = self._int(1, 32768, values["max_tokens"])
         self.system_prompt = QPlainTextEdit(values["system_prompt"] or "")
         self.system_prompt.setPlaceholderText("The model's own default")
-        form.addRow("Temperature", self.temperature)
-        form.addRow("Top-p", self.top_p)
-        form.addRow("Min-p", self.min_p)
-        form.addRow("Repetition penalty", self.repetition_penalty)
-        form.addRow("Reply length limit (tokens)", self.max_tokens)
+        for name in FIELDS:
+            label, tip = FIELDS[name][:2]
+            box = getattr(self, name)
+            box.setToolTip(tip)
+            form.addRow(label, box)
         form.addRow("Default system prompt", self.system_prompt)
         return page
 
@@ -168,7 +165,7 @@ class PreferencesDialog(QDialog):
         self.kv_warning = QLabel()
         self.kv_warning.setWordWrap(True)
         self.kv_warning.setStyleSheet(f"color: {chat_colours().warning}")
-        self.kv_bits.setToolTip(KV_HELP)
+        self.kv_bits.setToolTip(KV_TIP)
         self.kv_group_size.setToolTip(GROUP_HELP)
         self.quantized_kv_start.setToolTip(START_HELP)
         form.addRow("Memory saving", self.kv_bits)
