@@ -217,7 +217,9 @@ class Sidebar(QWidget):
                 item.setData(ELSEWHERE_ROLE, entry.message_id)
             item.setToolTip(entry.title)
             self.list.addItem(item)
-            if conversation_id == current:
+            # A match on a hidden branch of the chat on screen is not what is shown:
+            # left unselected, choosing it switches to its branch.
+            if conversation_id == current and not entry.elsewhere:
                 self.list.setCurrentItem(item)
         self.list.blockSignals(False)
 
