@@ -53,6 +53,19 @@ def test_a_message_too_long_for_a_new_chat_is_not_sent(qtbot, open_window):  # n
     assert not window.meter.fresh.isVisible()  # a new chat would not help
 
 
+def test_a_nearly_full_chat_says_so_before_it_overflows(qtbot, open_window):  # noqa: F811
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=8)
+    window.composer.edit.setPlainText(WORDS)
+    use = wait_meter(qtbot, window, WORDS)
+    assert "Nearly full" not in window.meter.label.text()
+    prefer(window, max_context=int((use.conversation + use.draft) / 0.95))
+    window.composer.edit.setPlainText(WORDS + " ")
+    use = wait_meter(qtbot, window, WORDS + " ")
+    assert use.fits
+    assert "Nearly full: a long reply may be cut" in window.meter.label.text()
+
+
 def test_a_message_that_overflows_the_chat_goes_to_a_new_one(qtbot, open_window):  # noqa: F811
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=16)

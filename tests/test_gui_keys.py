@@ -216,3 +216,21 @@ def test_enter_in_the_delete_box_keeps_the_chat_and_deleting_the_open_one_clears
     # The chat on screen is gone: an empty new chat takes its place, not the old view.
     qtbot.waitUntil(lambda: window.conversation_id is None, timeout=10_000)
     assert window.chat.messages == [] and window.sidebar.list.count() == 0
+
+
+def test_f1_opens_the_keyboard_shortcuts(qtbot, open_window):  # noqa: F811
+    window = active(qtbot, open_window())
+    titles = []
+
+    def look() -> None:
+        box = QApplication.activeModalWidget()
+        if box is None:
+            QTimer.singleShot(50, look)
+            return
+        titles.append(box.windowTitle())
+        box.close()
+
+    QTimer.singleShot(50, look)
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_F1)
+    qtbot.waitUntil(lambda: titles == ["Keyboard shortcuts"], timeout=5_000)
+    assert "F1\tThis list" in shortcut_list(window)

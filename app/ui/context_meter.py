@@ -15,9 +15,20 @@ if TYPE_CHECKING:  # the service (and so the engine) is imported on the worker's
     from app.service.chat import ContextUse
 
 
+# From this share of the context on, the meter says the chat is nearly full.
+NEARLY_FULL = 0.9
+
+
 def meter_text(use: ContextUse) -> str:
     draft = f" + {use.draft:,} in the draft" if use.draft else ""
-    return f"Context: {use.conversation:,} tokens{draft} of {use.limit:,}"
+    text = f"Context: {use.conversation:,} tokens{draft} of {use.limit:,}"
+    if nearly_full(use):
+        text += ". Nearly full: a long reply may be cut; a new chat has room."
+    return text
+
+
+def nearly_full(use: ContextUse) -> bool:
+    return use.fits and use.conversation + use.draft >= NEARLY_FULL * use.limit
 
 
 # The live count while a reply streams is redrawn at most this often.
@@ -120,7 +131,8 @@ class ContextMeter(QWidget):
         self.use = use
         if use.fits:
             self.label.setText(meter_text(use))
-            self.label.setStyleSheet("")
+            warn = f"color: {chat_colours().warning}" if nearly_full(use) else ""
+            self.label.setStyleSheet(warn)
         else:
             self.label.setText(warning_text(use))
             self.label.setStyleSheet(f"color: {chat_colours().warning}")

@@ -128,6 +128,7 @@ def shortcut_rows(window: MainWindow) -> list[tuple[str, str]]:
         ("Tab / Shift+Tab", "Move between the message box, the chat and the sidebar"),
         ("Enter / Shift+Enter", "Send / start a new line"),
         ("Tab, then Enter, in the chat", "Move through a message's actions, run one"),
+        ("F1", "This list"),
     ]
     for entries in menu_entries(window).values():
         for label, keys, _ in entries:
@@ -190,5 +191,6 @@ def build_menus(window: MainWindow) -> None:
             window.addAction(item)
             menu.addAction(item)
     help_menu = window.menuBar().addMenu("&Help")
-    help_menu.addAction("Keyboard shortcuts", lambda: shortcuts_dialog(window).exec())
+    shortcuts = help_menu.addAction("Keyboard shortcuts", lambda: shortcuts_dialog(window).exec())
+    shortcuts.setShortcut(QKeySequence.StandardKey.HelpContents)  # F1
     help_menu.addAction("About Reprise", lambda: QMessageBox.about(window, "About", about_text()))
