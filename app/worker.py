@@ -280,8 +280,10 @@ class EngineWorker(QObject):
 
     @Slot(int, str, str)
     def export_text(self, conversation_id: int, fmt: str, path: str) -> None:
-        written = lambda: self.service().export_text(conversation_id, fmt, Path(path))  # noqa: E731
-        if self._attempt("Export", written):
+        def write() -> None:
+            self.service().export_text(conversation_id, fmt, Path(path))
+
+        if self._attempt("Export", write):
             self.exported.emit(path)
 
     @Slot(object)

@@ -184,19 +184,23 @@ def test_escape_in_the_search_box_clears_the_search(qtbot, open_window):  # noqa
     assert window.sidebar.search.text() == ""
 
 
-def answer_the_box(qtbot, press) -> list:
-    """When a message box comes up, note its default button, then `press(box)`."""
-    seen = []
+def when_a_box_opens(act) -> None:
+    """Once a modal box is up, `act(box)`."""
 
     def look() -> None:
         box = QApplication.activeModalWidget()
         if box is None:
             QTimer.singleShot(50, look)
             return
-        seen.append(box.defaultButton().text())
-        press(box)
+        act(box)
 
     QTimer.singleShot(50, look)
+
+
+def answer_the_box(qtbot, press) -> list:
+    """When a message box comes up, note its default button, then `press(box)`."""
+    seen = []
+    when_a_box_opens(lambda box: seen.append(box.defaultButton().text()) or press(box))
     return seen
 
 
@@ -221,16 +225,7 @@ def test_enter_in_the_delete_box_keeps_the_chat_and_deleting_the_open_one_clears
 def test_f1_opens_the_keyboard_shortcuts(qtbot, open_window):  # noqa: F811
     window = active(qtbot, open_window())
     titles = []
-
-    def look() -> None:
-        box = QApplication.activeModalWidget()
-        if box is None:
-            QTimer.singleShot(50, look)
-            return
-        titles.append(box.windowTitle())
-        box.close()
-
-    QTimer.singleShot(50, look)
+    when_a_box_opens(lambda box: titles.append(box.windowTitle()) or box.close())
     qtbot.keyClick(window.composer.edit, Qt.Key.Key_F1)
     qtbot.waitUntil(lambda: titles == ["Keyboard shortcuts"], timeout=5_000)
     assert "F1\tThis list" in shortcut_list(window)

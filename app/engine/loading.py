@@ -144,29 +144,29 @@ def _dense_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
     ).astype(dtype)
 
 
+def _dense_layer(module: nn.Module, shape: tuple[int, ...]) -> nn.Module:
+    """The dense counterpart of a quantized layer whose weight has `shape`."""
+    bias = "bias" in module
+    if isinstance(module, QuantizedSwitchLinear):  # a mixture's experts, stacked
+        experts, outputs, inputs = shape
+        return SwitchLinear(inputs, outputs, experts, bias=bias)
+    if isinstance(module, nn.QuantizedEmbedding):
+        return nn.Embedding(*shape)
+    return nn.Linear(shape[1], shape[0], bias=bias)
+
+
 def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
     """Replace quantized layers by dense ones, and cast everything to `dtype`."""
 
     def dense(_path: str, module: nn.Module) -> nn.Module:
-        if isinstance(module, QuantizedSwitchLinear):  # a mixture's experts, stacked
-            weight = _dense_weight(module, dtype)
-            experts, outputs, inputs = weight.shape
-            layer = SwitchLinear(inputs, outputs, experts, bias="bias" in module)
-            if "bias" in module:
-                layer.bias = module.bias.astype(dtype)
-            layer.weight = weight
-            return layer
-        if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
-            weight = _dense_weight(module, dtype)
-            if isinstance(module, nn.QuantizedEmbedding):
-                layer = nn.Embedding(*weight.shape)
-            else:
-                layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
-                if "bias" in module:
-                    layer.bias = module.bias.astype(dtype)
-            layer.weight = weight
-            return layer
-        return module
+        if not isinstance(module, _QUANTIZED):
+            return module
+        weight = _dense_weight(module, dtype)
+        layer = _dense_layer(module, weight.shape)
+        layer.weight = weight
+        if "bias" in module:
+            layer.bias = module.bias.astype(dtype)
+        return layer
 
     leaves = tree_map_with_path(dense, model.leaf_modules(), is_leaf=nn.Module.is_module)
     model.update_modules(leaves)
