@@ -76,9 +76,9 @@ def conversation_entry(row: dict) -> ConversationCache:
         keys = None
     if not isinstance(keys, list) or not keys or not all(is_key(k) for k in keys):
         raise CacheRejected("damaged index row (chunk_keys is not a list of keys)")
-    # Chunks cover the tokens in order; snapshots (chunk_tokens 0) are checkpoints,
-    # the last at the end of the tokens.
-    if chunk_tokens and len(keys) != math.ceil(len(tokens) / chunk_tokens):
+    # Chunks of at most chunk_tokens cover the tokens in order (their spans are in
+    # their own rows); snapshots (chunk_tokens 0) are checkpoints, the last at the end.
+    if chunk_tokens and not math.ceil(len(tokens) / chunk_tokens) <= len(keys) <= len(tokens):
         raise CacheRejected("damaged index row (chunk_keys do not match the tokens)")
     return ConversationCache(
         conversation_id=conversation_id,

@@ -117,22 +117,43 @@ def test_a_restored_layer_has_room_for_the_next_tokens(tiny_model, saved_convers
     assert layer.offset == len(entry.tokens) + 1
 
 
-def test_a_turn_writes_only_its_new_chunks(tiny_model):
-    engine = new_engine(tiny_model)
-    conversation = engine.store.create(tiny_model.name)
+def test_a_turn_appends_its_own_tokens_and_rewrites_no_chunk(starter_model):
+    """On a model that writes words (the rendered conversation extends the saved tokens;
+    a random model's byte fragments do not survive re-rendering, DESIGN §13)."""
+    engine = new_engine(starter_model)
+    conversation = engine.store.create(starter_model.name)
     turn(engine, conversation.id, "a first message that is long enough to fill chunks")
-    before = {r["key"] for r in chunk_rows(conversation.id)}
+    before = engine.index.conversation(conversation.id).chunk_keys
     tokens_before = len(engine.session.tokens)
+    assert tokens_before % CHUNK  # the last chunk is partial: it used to be rewritten
     _, saved = turn(engine, conversation.id, "short")
-    after = chunk_rows(conversation.id)
+    after = engine.index.conversation(conversation.id).chunk_keys
     new_tokens = len(engine.session.tokens) - tokens_before
-    # Untouched full chunks stay; only chunks from the last partial one on are written.
-    assert saved.report.chunks_reused == tokens_before // CHUNK
-    assert {r["key"] for r in after[: tokens_before // CHUNK]} <= before
-    bytes_per_token = after[0]["bytes"] / CHUNK
-    assert saved.report.bytes_written <= (new_tokens + CHUNK) * bytes_per_token * 1.05
-    # The replaced partial chunk is gone from disk.
+    # Every chunk of the last save stays, the partial one too; new chunks hold the new tokens.
+    assert after[: len(before)] == before and saved.report.chunks_reused == len(before)
+    rows = chunk_rows(conversation.id)
+    assert [r["token_end"] for r in rows][len(before) - 1] == tokens_before
+    bytes_per_token = sum(r["bytes"] for r in rows) / len(engine.session.tokens)
+    assert saved.report.bytes_written <= new_tokens * bytes_per_token * 1.3
     assert CacheIndex(open_db()).usage()[0] == len(after)
+
+
+@pytest.mark.parametrize("bits", KV_CHOICES)
+def test_a_chat_saved_in_many_appends_reopens_as_if_never_closed(starter_model, bits):
+    """Chunks that ended a turn (a quantized cache's last chunk carries its 16-bit rows)
+    are kept as the middle of the next save: the restored cache must still be the live one."""
+    options = TurnOptions(sampling=SamplingSettings.greedy(6), kv=KVSettings(bits=bits))
+    engine = new_engine(starter_model)
+    conversation = engine.store.create(starter_model.name)
+    for text in ("Hi!", "And?", "Go on.", "Why?"):
+        _, saved = turn(engine, conversation.id, text, options)
+    assert saved.report.chunks_reused > 2  # appended, not rewritten
+    reopened, _ = turn(new_engine(starter_model), conversation.id, "Last one.", options)
+    assert reopened.restore.source == "disk"
+    user = engine.store.message(reopened.message_id).parent_id
+    events = list(engine.edit(user, "Last one.", options))  # the same turn, never closed
+    held = next(e for e in events if isinstance(e, ReplyFinished))
+    assert held.restore.source == "memory" and reopened.text == held.text
 
 
 def test_branches_and_shared_prefixes_share_chunks(tiny_model):

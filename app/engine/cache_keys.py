@@ -58,17 +58,35 @@ def tokens_hash(tokens: list[int]) -> str:
     return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
 
 
+def chain_keys(
+    fingerprint: str, fmt: str, tokens: list[int], ends: list[int]
+) -> list[tuple[str, int, int]]:
+    """(key, start, end) of the chunks of `tokens` that end at `ends`, in order; each key
+    chains over the whole prefix, so it names the tokens before the chunk as well."""
+    result, start = [], 0
+    prefix = hashlib.sha256(f"{fingerprint}|{fmt}".encode()).hexdigest()
+    for end in ends:
+        prefix = hashlib.sha256((prefix + tokens_hash(tokens[start:end])).encode()).hexdigest()
+        result.append((prefix[:40], start, end))
+        start = end
+    return result
+
+
+def grid_ends(start: int, end: int, size: int) -> list[int]:
+    """Where the chunks covering tokens [start, end) end: at each multiple of `size`
+    after `start`, then at `end`. A turn's new tokens make at most one short chunk
+    at each side; the long stretch between is whole chunks, shareable by any
+    conversation with the same prefix."""
+    if end <= start:
+        return []
+    return [*range((start // size + 1) * size, end, size), end]
+
+
 def chunk_keys(
     fingerprint: str, fmt: str, tokens: list[int], size: int
 ) -> list[tuple[str, int, int]]:
-    """(key, start, end) of each chunk; the key chains over the whole prefix."""
-    result = []
-    prefix = hashlib.sha256(f"{fingerprint}|{fmt}".encode()).hexdigest()
-    for start in range(0, len(tokens), size):
-        end = min(start + size, len(tokens))
-        prefix = hashlib.sha256((prefix + tokens_hash(tokens[start:end])).encode()).hexdigest()
-        result.append((prefix[:40], start, end))
-    return result
+    """(key, start, end) of each chunk of `size` tokens (the last one shorter)."""
+    return chain_keys(fingerprint, fmt, tokens, grid_ends(0, len(tokens), size))
 
 
 def snapshot_key(fingerprint: str, tokens: list[int]) -> str:

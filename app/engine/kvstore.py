@@ -1,11 +1,14 @@
 """Saving a conversation's KV cache as chunk files, and restoring it.
 
-A conversation's cache is cut along the token axis into chunks of
+A conversation's cache is cut along the token axis into chunks of at most
 `chunk_tokens`. A chunk's key hashes the model fingerprint, the KV format and
 the whole token prefix up to the chunk's end, so equal prefixes (branches,
-shared system prompts) share files, and a turn writes only chunks that do not
-exist yet: its own new tokens plus the rewritten last partial chunk. Caches
-that cannot be chunked are saved whole (`app.engine.snapshots`).
+shared system prompts) share files. A save keeps the conversation's chunks that
+its tokens still begin with and writes only the tokens after them: a turn
+appends its own tokens (cut at multiples of `chunk_tokens`, `grid_ends`), it
+never rewrites a chunk. Each chunk's row holds its span; the keys, recomputed
+over those spans, must match. Caches that cannot be chunked are saved whole
+(`app.engine.snapshots`).
 
 Restoring reads the chunks a prompt can use, has each checked by its layers'
 codecs (app.engine.codecs), joins them once and trims to the usable prefix.
@@ -24,7 +27,8 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from app.engine import snapshots
 from app.engine.cache_keys import (
     SNAPSHOT,
-    chunk_keys,
+    chain_keys,
+    grid_ends,
     kv_format,
     model_fingerprint,
     snapshot_key,
@@ -99,7 +103,8 @@ class KVStore:
             self.index.forget_conversation(conversation_id)
             return SaveReport()
         fmt = stored_format(live, self.sixteen_bit)
-        chunks = chunk_keys(self.fingerprint, fmt, tokens, self.chunk_tokens)
+        ends = self._chunk_ends(conversation_id, fmt, tokens)
+        chunks = chain_keys(self.fingerprint, fmt, tokens, ends)
         classes = tuple(type(layer).__name__ for layer in cache)
         written = size = 0
         existing = []
@@ -116,6 +121,44 @@ class KVStore:
         self.index.touch(existing)
         self._point_conversation(conversation_id, fmt, tokens, [k for k, _, _ in chunks])
         return SaveReport(written, len(existing), size, time.perf_counter() - started)
+
+    def _chunk_ends(self, conversation_id: int, fmt: str, tokens: list[int]) -> list[int]:
+        """Where this save's chunks end: the conversation's saved chunks that `tokens`
+        still begin with stay as they are, and new chunks hold the tokens after them."""
+        kept: list[int] = []
+        entry = self.index.conversation(conversation_id)
+        if entry and entry.chunk_tokens and (entry.model_fingerprint, entry.kv_format) == (
+            self.fingerprint,
+            fmt,
+        ):
+            same = _common_prefix(entry.tokens, tokens)
+            try:
+                kept = [end for _, _, end in self._saved_chunks(entry) if end <= same]
+            except CacheRejected:
+                kept = []  # a damaged index: write everything again
+        start = kept[-1] if kept else 0
+        return kept + grid_ends(start, len(tokens), self.chunk_tokens)
+
+    def _saved_chunks(self, entry: ConversationCache) -> list[tuple[str, int, int]]:
+        """(key, start, end) of the entry's chunks that are on the index, in order, up
+        to the first evicted one; `CacheRejected` when their rows and the entry's
+        tokens disagree (each key is recomputed over the spans its rows give)."""
+        ends: list[int] = []
+        for key in entry.chunk_keys:
+            row = self.index.chunk(key)
+            if row is None:
+                break
+            start, end = row["token_start"], row["token_end"]
+            if start != (ends[-1] if ends else 0) or end <= start:
+                raise CacheRejected("chunk spans do not follow each other")
+            ends.append(end)
+        whole = len(ends) == len(entry.chunk_keys)
+        if ends and (ends[-1] > len(entry.tokens) or (whole and ends[-1] != len(entry.tokens))):
+            raise CacheRejected("chunk spans do not match the tokens")
+        chunks = chain_keys(self.fingerprint, entry.kv_format, entry.tokens, ends)
+        if [k for k, _, _ in chunks] != entry.chunk_keys[: len(chunks)]:
+            raise CacheRejected("index does not match its tokens")
+        return chunks
 
     def _save_snapshot(
         self, conversation_id: int, tokens: list[int], cache: list
@@ -186,10 +229,11 @@ class KVStore:
         if entry.kv_format == SNAPSHOT:
             picked = self._pick_checkpoint(entry, usable)
             return picked[2]["bytes"] if picked else 0
-        else:
-            chunks = chunk_keys(self.fingerprint, entry.kv_format, entry.tokens, entry.chunk_tokens)
-            keys = [key for key, start, _ in chunks if start < usable]
-        rows = (self.index.chunk(key) for key in keys)
+        try:
+            chunks = self._saved_chunks(entry)
+        except CacheRejected:
+            return 0
+        rows = (self.index.chunk(key) for key, start, _ in chunks if start < usable)
         return sum(row["bytes"] for row in rows if row)
 
     def restore(self, entry: ConversationCache, usable: int) -> RestoreResult:
@@ -211,9 +255,7 @@ class KVStore:
     def _load_chunks(self, entry: ConversationCache, usable: int) -> tuple[list, int, int]:
         if usable <= 0:
             raise CacheRejected("nothing in common with the conversation")
-        chunks = chunk_keys(self.fingerprint, entry.kv_format, entry.tokens, entry.chunk_tokens)
-        if [k for k, _, _ in chunks] != entry.chunk_keys:
-            raise CacheRejected("index does not match its tokens")
+        chunks = self._saved_chunks(entry)
         shapes = self._layer_shapes()
         if None in shapes:
             raise CacheRejected("this model's cache layers are not chunked")
@@ -221,7 +263,7 @@ class KVStore:
         classes, total, size = None, 0, 0
         for key, start, end in (c for c in chunks if c[1] < usable):
             row = self.index.chunk(key)
-            if row is None:  # evicted: restore what precedes it
+            if row is None:  # evicted since: restore what precedes it
                 break
             part = tokens_hash(entry.tokens[start:end])
             manifest = ChunkManifest(
@@ -304,6 +346,14 @@ class _PrefixKeys:
         if end not in self._keys:
             self._keys[end] = snapshot_key(self.fingerprint, self.tokens[:end])
         return self._keys[end]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` begin with in common."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
 
 
 def _join(codec, pieces: dict[str, list], fmt: str, shape: LayerShape):
