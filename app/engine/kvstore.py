@@ -350,7 +350,7 @@ class _PrefixKeys:
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     """How many tokens `a` and `b` begin with in common."""
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return min(len(a), len(b))
