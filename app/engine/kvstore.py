@@ -40,7 +40,6 @@ from app.engine.codecs import (
     LayerShape,
     check_layer,
     chunk_tensors,
-    layer_shapes,
     read_classes,
     split_layers,
     stored_dtype,
@@ -89,7 +88,8 @@ class KVStore:
         self.chunk_tokens = chunk_tokens
         self.fingerprint = model_fingerprint(loaded.path)
         self.sixteen_bit = sixteen_bit_type(loaded.path)
-        self._shapes: list[LayerShape | None] | None = None
+        # Found once per loaded model, when the engine starts, not in a restore.
+        self._shapes: list[LayerShape | None] = loaded.cache_layer_shapes
 
     # -- save ------------------------------------------------------------------
 
@@ -256,7 +256,7 @@ class KVStore:
         if usable <= 0:
             raise CacheRejected("nothing in common with the conversation")
         chunks = self._saved_chunks(entry)
-        shapes = self._layer_shapes()
+        shapes = self._shapes
         if None in shapes:
             raise CacheRejected("this model's cache layers are not chunked")
         pieces: list[dict[str, list]] = [{} for _ in shapes]
@@ -295,11 +295,6 @@ class KVStore:
         if total > restored:
             trim_prompt_cache(cache, total - restored)
         return cache, restored, size
-
-    def _layer_shapes(self) -> list[LayerShape | None]:
-        if self._shapes is None:
-            self._shapes = layer_shapes(self.loaded.model)
-        return self._shapes
 
     def _load_snapshot(self, entry: ConversationCache, usable: int) -> tuple[list, int, int, int]:
         """The latest checkpoint within the first `usable` tokens; (cache, its token

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import mlx.core as mx
@@ -54,6 +55,15 @@ class LoadedModel:
     @property
     def context_length(self) -> int:
         return int(self.config.get("max_position_embeddings") or 4096)
+
+    @cached_property
+    def cache_layer_shapes(self) -> list:
+        """What each layer caches per token (`codecs.LayerShape`, None for a layer that
+        is not plain attention): one token through the model, once per load, so that a
+        restore does not pay for it while the user waits."""
+        from app.engine.codecs import layer_shapes  # codecs reads caches, a layer above
+
+        return layer_shapes(self.model)
 
     @property
     def head_dim(self) -> int:
