@@ -31,16 +31,9 @@ from sessions.db import open_db
 REPRISE = str(Path(sys.executable).with_name("reprise"))
 MESSAGES = ["Tell me about the weather in spring", "And in autumn?", "Which one is better?"]
 NOT_TRIMMABLE = ("sliding", "hybrid-qwen3-next", "hybrid-granite", "chunked", "cachelist")
-NOT_QUANTIZED = (
-    "kvquant.quantizer converts KVCache/RotatingKVCache layers (a CacheList's too): "
-    "ChunkedKVCache stays 16-bit "
-    "(KV quantization is another helper's part of issue 9)"
-)
 
-# (cell, family) -> why it fails today.
-XFAIL: dict[tuple[str, str], str] = {
-    **{(cell, f): NOT_QUANTIZED for cell in ("kv-8", "kv-4") for f in ("chunked",)},
-}
+# (cell, family) -> why it fails today (none do now; a new family's gap goes here).
+XFAIL: dict[tuple[str, str], str] = {}
 
 
 def cells(cell: str) -> list:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, QuantizedKVCache
 
+from app.engine.kvchunked import ChunkedMixedKVCache
 from app.engine.kvquant import MixedKVCache
 
 SNAPSHOT = "snapshot"  # the format of a whole-cache snapshot (app.engine.snapshots)
@@ -110,10 +111,10 @@ def _kind_and_format(layer) -> tuple[str, str]:
         return "state", _dtype_name(arrays[0]) if arrays else "empty"
     window = getattr(layer, "max_size", None)
     kind = "attention" if window is None else f"sliding window {window}"
-    if isinstance(layer, ChunkedKVCache):
+    if isinstance(layer, ChunkedKVCache | ChunkedMixedKVCache):
         kind = f"chunked {layer.chunk_size}"
     if isinstance(layer, MixedKVCache):
-        return kind, layer.scheme.describe()
+        return kind, layer.describe()
     if isinstance(layer, QuantizedKVCache):
         return kind, f"{layer.bits}-bit (group {layer.group_size})"
     keys = getattr(layer, "keys", None)

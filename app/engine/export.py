@@ -2,8 +2,9 @@
 
 Our quantized layers (`MixedKVCache`) are ours alone: mlx-lm has no class of
 that name, so they are written as what attention reads from them, dequantized
-into mlx-lm's `KVCache` (or `RotatingKVCache` for a sliding window). Plain,
-rotating and state layers are written as they are.
+into mlx-lm's `KVCache` (or `RotatingKVCache` for a sliding window,
+`ChunkedKVCache` for a chunked layer). Plain, rotating, chunked and state layers
+are written as they are.
 """
 
 from __future__ import annotations
@@ -13,9 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, save_prompt_cache
+from mlx_lm.models.cache import (
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    RotatingKVCache,
+    save_prompt_cache,
+)
 
 from app.engine.errors import UserError
+from app.engine.kvchunked import ChunkedMixedKVCache
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvstore import KVStore
 
@@ -76,6 +84,11 @@ def as_mlx_lm(layer):
     if not isinstance(layer, MixedKVCache):
         return layer
     keys, values = layer.dequantized()
+    if isinstance(layer, ChunkedMixedKVCache):
+        chunked = ChunkedKVCache(layer.chunk_size)
+        chunked.keys, chunked.values = keys, values
+        chunked.offset, chunked.start_position = layer.offset, layer.start_position
+        return chunked
     if layer.max_size is None:
         plain = KVCache()
         plain.keys, plain.values, plain.offset = keys, values, keys.shape[2]

@@ -1,33 +1,54 @@
 """Converting mlx-lm's full-precision cache layers to the app's quantized ones.
 
 A conversion is lossless up to the scheme: the layer's tokens are re-stored as if
-they had arrived in a `MixedKVCache`. Recurrent and convolution states stay exact.
+they had arrived in a `MixedKVCache` (a `ChunkedMixedKVCache` for a chunked layer).
+Recurrent and convolution states stay exact.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
+import mlx.core as mx
+from mlx_lm.models.cache import CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
+from app.engine.kvchunked import ChunkedMixedKVCache
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import KVScheme
 
+# The full-precision attention layers the KV preference quantizes.
+QUANTIZABLE = (KVCache, RotatingKVCache, ChunkedKVCache)
 
-def to_mixed(layer: KVCache | RotatingKVCache, scheme: KVScheme) -> MixedKVCache:
-    """A full-precision layer's tokens re-stored per `scheme` (lossless up to the scheme)."""
+
+def _empty_counterpart(layer, scheme: KVScheme) -> MixedKVCache:
+    """A quantized layer of `layer`'s kind (its window or chunk), holding nothing yet."""
     if isinstance(layer, RotatingKVCache):
-        mixed = MixedKVCache(scheme, layer.max_size, layer.keep)
-        in_order = layer.keys is not None and layer.offset > layer.keys.shape[2]
-    else:
-        mixed, in_order = MixedKVCache(scheme), False
-    if layer.keys is not None:
-        if in_order:  # a full ring: put its tokens back in temporal order
-            keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
-        else:
-            keys, values = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
-        if keys.shape[2]:
-            mixed.extend(keys, values)
+        return MixedKVCache(scheme, layer.max_size, layer.keep)
+    if isinstance(layer, ChunkedKVCache):
+        chunked = ChunkedMixedKVCache(scheme, layer.chunk_size)
+        chunked.start_position = layer.start_position
+        return chunked
+    return MixedKVCache(scheme)
+
+
+def _held_in_order(layer) -> tuple[mx.array, mx.array] | None:
+    """The keys and values `layer` holds, oldest first; None before its first token."""
+    if layer.keys is None:
+        return None
+    if isinstance(layer, ChunkedKVCache):  # from its start position to its offset
+        return layer.keys_and_values()
+    if isinstance(layer, RotatingKVCache) and layer.offset > layer.keys.shape[2]:
+        # a full ring: put its tokens back in temporal order
+        return layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+    return layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
+
+
+def to_mixed(layer: KVCache | RotatingKVCache | ChunkedKVCache, scheme: KVScheme) -> MixedKVCache:
+    """A full-precision layer's tokens re-stored per `scheme` (lossless up to the scheme)."""
+    mixed = _empty_counterpart(layer, scheme)
+    held = _held_in_order(layer)
+    if held is not None and held[0].shape[2]:
+        mixed.extend(*held)
     mixed.offset = layer.offset
     return mixed
 
@@ -40,7 +61,7 @@ def quantizer(scheme: KVScheme | None, start: int = 0) -> Callable[[list], None]
     def converted(layer):
         if type(layer) is CacheList:  # its attention part; the recurrent state stays exact
             layer.caches = tuple(converted(part) for part in layer.caches)
-        elif type(layer) in (KVCache, RotatingKVCache) and layer.offset >= start:
+        elif type(layer) in QUANTIZABLE and layer.offset >= start:
             return to_mixed(layer, scheme)
         return layer
 

@@ -143,7 +143,7 @@ class MixedKVCache:
             self.bulk[part].trim(q - min(q, left))
         self.count = left
         self.offset -= n
-        if self.max_size is None:
+        if not self.front_moves():
             self._unflush(quantized_at(left, self.scheme.window))
         return n
 
@@ -168,6 +168,11 @@ class MixedKVCache:
         """Keep the last `window` tokens in 16 bits from now on (a restored cache
         comes back without its window)."""
         self.scheme = replace(self.scheme, window=window)
+
+    def describe(self) -> str:
+        """The layer's format in words, with the sink it really keeps (a sliding
+        window keeps only its own `keep` tokens)."""
+        return replace(self.scheme, sink=self.sink_size).describe()
 
     @property
     def nbytes(self) -> int:
@@ -223,6 +228,12 @@ class MixedKVCache:
 
     # -- storage -----------------------------------------------------------------
 
+    def front_moves(self) -> bool:
+        """Whether old tokens leave the front (a sliding window), so that a stored
+        token's position changes: what is quantized then follows the window, not
+        `quantized_at` of the position."""
+        return self.max_size is not None
+
     def stored(self) -> int:
         return self.count
 
@@ -257,7 +268,7 @@ class MixedKVCache:
         for part, x in enumerate((keys, values)):
             self.exact[part].append_encoded([sixteen_bit(x)])
         self.count += keys.shape[2]
-        if self.max_size is not None:  # a sliding window: its positions move
+        if self.front_moves():
             if self._tail_rows() > self.scheme.window + FLUSH:
                 self._flush(self.count - self.scheme.window)
         elif quantized_at(self.count, self.scheme.window) > self.quantized():

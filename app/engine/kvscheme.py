@@ -39,8 +39,10 @@ class KVScheme:
         kb, vb = self.key_bits or 16, self.value_bits or 16
         text = f"{kb}-bit" if kb == vb else f"{kb}-bit keys, {vb}-bit values"
         extras = [f"group {self.group_size}"]
-        if self.sink or self.window:
+        if self.sink:
             extras.append(f"16-bit first {self.sink} + last {self.window} tokens")
+        elif self.window:
+            extras.append(f"16-bit last {self.window} tokens")
         if self.rotate_keys:
             extras.append("rotated keys")
         return f"{text} ({', '.join(extras)})"

@@ -30,17 +30,20 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from app.engine.kvchunked import ChunkedMixedKVCache
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import SIXTEEN_BIT
 from app.engine.stored_arrays import check_dtype, from_stored, to_numpy
 from sessions.cachefiles import CacheRejected
 
 CHUNKABLE = (KVCache, QuantizedKVCache, MixedKVCache)
-# Classes a snapshot may hold; KVCache and RotatingKVCache layers may have been quantized.
+# Classes a snapshot may hold; KVCache, RotatingKVCache and ChunkedKVCache layers may
+# have been quantized.
 SNAPSHOT_CLASSES = {
     "KVCache": KVCache,
     "QuantizedKVCache": QuantizedKVCache,
     "MixedKVCache": MixedKVCache,
+    "ChunkedMixedKVCache": ChunkedMixedKVCache,
     "RotatingKVCache": RotatingKVCache,
     "ChunkedKVCache": ChunkedKVCache,
     "ArraysCache": ArraysCache,
@@ -49,6 +52,8 @@ SNAPSHOT_CLASSES = {
 _QUANTIZABLE = (KVCache, RotatingKVCache)
 # Sizes a layer takes from the model's config: a snapshot must agree with them.
 _MODEL_SIZES = ("max_size", "keep", "chunk_size")
+# Layers whose state names their KV format (a string, parsed by their own setter).
+_NAMES_FORMAT = ("MixedKVCache", "ChunkedMixedKVCache")
 # Layers whose first state item is their keys, one array per head and token.
 _ATTENTION = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
 
@@ -156,6 +161,8 @@ def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
         layer = QuantizedKVCache()
     elif name == "MixedKVCache" and type(layer) in _QUANTIZABLE:
         layer = MixedKVCache(SIXTEEN_BIT)  # the state names its scheme
+    elif name == "ChunkedMixedKVCache" and type(layer) is ChunkedKVCache:
+        layer = ChunkedMixedKVCache(SIXTEEN_BIT, layer.chunk_size)  # and its chunk size
     elif name != type(layer).__name__:
         raise CacheRejected(f"a {name} layer where the model has {type(layer).__name__}")
     if name == "CacheList":
@@ -166,7 +173,7 @@ def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
             _restore_layer(p, s, tensors, used) for p, s in zip(layer.caches, parts, strict=True)
         )
         return layer
-    state = _state_items(spec.get("items"), tensors, used, text=name == "MixedKVCache")
+    state = _state_items(spec.get("items"), tensors, used, text=name in _NAMES_FORMAT)
     if name in _ATTENTION:
         keys = state[0][0] if isinstance(state[0], tuple) else state[0]
         if not isinstance(keys, mx.array) or keys.ndim != 4:
