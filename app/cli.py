@@ -155,6 +155,11 @@ def _add_bench_commands(commands) -> None:
         help="a real shape with random weights instead of a model: qwen3-1.7b, "
         "llama-3.1-8b, gemma3-1b (sliding window), qwen3-next-hybrid, tiny",
     )
+    reopen.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the cache files from the OS's page cache before each read (Linux)",
+    )
     _add_peer_arguments(reopen)
     reopen.add_argument("--json", action="store_true")
     kv = bench_commands.add_parser("kv", help="KV-cache quantization: quality, memory, speed")

@@ -24,3 +24,7 @@ class Measurements:
         new = value if old is None else (1 - _NEW_WEIGHT) * old + _NEW_WEIGHT * value
         self.db["measurements"].upsert({"key": key, "value": new, "updated": now()}, pk="key")
         return new
+
+    def forget(self, key: str) -> None:
+        """Drop the estimate for `key`: the next observation starts it afresh."""
+        self.db["measurements"].delete_where("key = ?", [key])

@@ -197,16 +197,23 @@ def test_bench_reopen_measures_each_size_and_skips_one_past_the_context(tiny_mod
 
 def test_bench_reopen_on_a_shape_builds_it_with_random_weights(tiny_model_dir):
     """`--shape`: a real shape's model class with random weights and the installed model's
-    tokenizer, measured like an installed model; an unknown shape is a clear error."""
+    tokenizer, measured like an installed model; an unknown shape is a clear error.
+    `--cold` reads dropped files; the planner is scored from the second size on, once
+    the first has measured the disk."""
     done = reprise(
         "bench", "reopen", "--model", str(tiny_model_dir), "--shape", "tiny",
-        "--tokens", "80", "--json",
+        "--tokens", "80", "160", "--cold", "--json",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["model"] == "random-tiny"
-    [row] = result["rows"]
-    assert row["history_tokens"] >= 80 and row["ttft_restore_s"] > 0
+    first, second = result["rows"]
+    assert first["history_tokens"] >= 80 and first["ttft_restore_s"] > 0
+    assert first["cold"] is True
+    assert first["planner_estimates_s"]["restore"] is None  # no disk measured yet
+    assert first["planner_choice"] == "restore" and first["planner_vs_faster"] >= 1
+    assert all(v > 0 for v in second["planner_estimates_s"].values())
+    assert second["planner_choice"] in ("restore", "recompute")
     wrong = reprise("bench", "reopen", "--model", str(tiny_model_dir), "--shape", "gpt-9")
     assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
     assert "Unknown shape 'gpt-9'" in wrong.stderr

@@ -8,7 +8,9 @@ tokens, saves its cache, then measures side by side:
 - the restore's time against a plain read of the same files' bytes;
 - bytes the reopened turn wrote against the KV bytes of the tokens it added;
 - time to first token after a prefetch (the restore a selection starts while the
-  user types) against an engine that never closed, same prompt, same cached prefix.
+  user types) against an engine that never closed, same prompt, same cached prefix;
+- the reopen planner's choice (from the bandwidth and prefill rate measured by the
+  rows before) against the faster of the two paths.
 
 Everything happens in a temporary folder; the user's data is not touched.
 """
@@ -27,7 +29,14 @@ from pathlib import Path
 from app.bench import llama_cpp_peer, shapes
 from app.engine import loading, models
 from app.engine.chat import ChatSession
-from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
+from app.engine.conversation import (
+    READ_BANDWIDTH,
+    CacheSaved,
+    ConversationEngine,
+    ReplyFinished,
+    TurnOptions,
+    recompute_is_faster,
+)
 from app.engine.errors import UserError
 from app.engine.generation import SamplingSettings
 from app.resource_files import resource
@@ -62,22 +71,33 @@ def run_turn(engine, conversation_id, text) -> tuple[ReplyFinished, CacheSaved]:
 Peer = Callable[[list[int], list[int]], dict]  # (history, new tokens) -> its figures
 
 
-def measure(loaded: loading.LoadedModel, target: int, peer: Peer | None = None) -> dict:
+def measure(
+    loaded: loading.LoadedModel, target: int, peer: Peer | None = None, cold: bool = False
+) -> dict:
+    """One history length's row. `cold`: every read of the cache files (the plain read,
+    the restore, the prefetch) starts with their pages dropped from the OS's cache, as
+    when a conversation is reopened days later."""
     db = open_db()
     builder = ConversationEngine(db, loaded)
     conversation = builder.store.create(loaded.name)
     build_history(builder, conversation.id, target)
     run_turn(builder, conversation.id, "Summarise this.")  # prefill all, save the cache
     entry = builder.index.conversation(conversation.id)
-    files = [path_from_url(builder.index.chunk(k)["url"]) for k in entry.chunk_keys]
+    files = cache_files(builder, conversation.id)
     cache_bytes = sum(f.stat().st_size for f in files)
 
+    evicted = cold and evict(files)
     started = time.perf_counter()
     for f in files:
         f.read_bytes()
     raw_read_s = time.perf_counter() - started
 
     reopened = ConversationEngine(open_db(), loaded)  # a new engine, as after a restart
+    planned = reopened.reopen_estimates(entry, len(entry.tokens))
+    # Measure the restore whichever path the planner would take; its choice is scored below.
+    reopened.measurements.forget(READ_BANDWIDTH)
+    if cold:
+        evict(files)
     restored, saved = run_turn(reopened, conversation.id, "And in one word?")
     info = restored.restore
     assert info.source == "disk", info
@@ -90,10 +110,15 @@ def measure(loaded: loading.LoadedModel, target: int, peer: Peer | None = None) 
     kv_bytes_per_token = cache_bytes / len(entry.tokens)
     reopened_prompt = reopened.session.tokens[: restored.stats.prompt_tokens]
     peer_row = peer(reopened_prompt[: info.tokens], reopened_prompt[info.tokens :]) if peer else {}
+    if cold:
+        evict(cache_files(reopened, conversation.id))
     prefetched = measure_prefetch(loaded, reopened, conversation.id)
+    choice = "recompute" if recompute_is_faster(planned) else "restore"
+    chosen = recomputed.stats.ttft_s if choice == "recompute" else restored.ttft_s
     return {
         "history_tokens": len(entry.tokens),
         "cache_bytes": cache_bytes,
+        "cold": evicted,
         "restore_s": info.seconds,
         "raw_read_s": raw_read_s,
         "restore_vs_raw_read": info.seconds / raw_read_s,
@@ -103,9 +128,32 @@ def measure(loaded: loading.LoadedModel, target: int, peer: Peer | None = None) 
         "turn_new_tokens": new_tokens,
         "turn_bytes_written": saved.report.bytes_written,
         "written_vs_new_kv_bytes": saved.report.bytes_written / (new_tokens * kv_bytes_per_token),
+        "planner_estimates_s": {"restore": planned[0], "recompute": planned[1]},
+        "planner_choice": choice,  # "restore" too when nothing was measured yet
+        "planner_vs_faster": chosen / min(restored.ttft_s, recomputed.stats.ttft_s),
         **prefetched,
         **peer_row,
     }
+
+
+def cache_files(engine: ConversationEngine, conversation_id: int) -> list[Path]:
+    entry = engine.index.conversation(conversation_id)
+    return [path_from_url(engine.index.chunk(k)["url"]) for k in entry.chunk_keys]
+
+
+def evict(files: list[Path]) -> bool:
+    """Drop `files`' pages from the OS's page cache, so that the next read comes from the
+    disk; False where the OS offers no way (posix_fadvise is Linux's)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
 
 
 def measure_prefetch(loaded, never_closed: ConversationEngine, conversation_id: int) -> dict:
@@ -145,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
                 skipped.append(note)
                 print(f"skipped: {note}", file=sys.stderr, flush=True)
                 continue
-            rows.append(measure(loaded, target, peer))
+            rows.append(measure(loaded, target, peer, args.cold))
             if not args.json:
                 print(row_text(rows[-1]), flush=True)  # each size as soon as it is measured
     if args.json:
@@ -182,7 +230,7 @@ ROOM_FOR_A_TURN = 256
 HEADER = (
     f"{'history':>8} {'cache MB':>9} {'TTFT restore':>13} {'TTFT recompute':>15} "
     f"{'speedup':>8} {'restore/raw read':>17} {'written/new KV':>15} "
-    f"{'TTFT prefetched':>16} {'TTFT in memory':>15}"
+    f"{'TTFT prefetched':>16} {'TTFT in memory':>15} {'planner':>18}"
 )
 
 
@@ -192,5 +240,6 @@ def row_text(r: dict) -> str:
         f"{r['history_tokens']:8} {r['cache_bytes'] / 1e6:9.1f} {r['ttft_restore_s']:12.3f}s "
         f"{r['ttft_recompute_s']:14.3f}s {r['reopen_speedup']:7.1f}x "
         f"{r['restore_vs_raw_read']:16.2f}x {r['written_vs_new_kv_bytes']:14.2f}x "
-        f"{r['ttft_prefetched_s']:15.3f}s {r['ttft_in_memory_s']:14.3f}s{peer}"
+        f"{r['ttft_prefetched_s']:15.3f}s {r['ttft_in_memory_s']:14.3f}s "
+        f"{r['planner_choice']:>10} {r['planner_vs_faster']:6.2f}x{peer}"
     )

@@ -45,6 +45,12 @@ _MEASURE_MIN_TOKENS = 64
 _NOTHING = ("recompute", 0.0, 0, 0)  # source, seconds, bytes and tokens of no restore
 
 
+def recompute_is_faster(estimates: tuple[float | None, float | None]) -> bool:
+    """The planner's rule: recompute only when both paths are estimated and it wins."""
+    restore, recompute = estimates
+    return restore is not None and recompute is not None and recompute < restore
+
+
 class ConversationEngine:
     def __init__(
         self,
@@ -296,8 +302,8 @@ class ConversationEngine:
         if refused is not None:
             return refused
         usable = reusable_prefix(entry.tokens, prompt)
-        estimates = self._estimates(usable, self.kvstore.bytes_to_read(entry, usable))
-        if None not in estimates and estimates[1] < estimates[0]:
+        estimates = self.reopen_estimates(entry, usable)
+        if recompute_is_faster(estimates):
             return RestoreInfo(*_NOTHING, *estimates, "recomputing is estimated to be faster")
         return self._restore(entry, usable, estimates)
 
@@ -354,11 +360,16 @@ class ConversationEngine:
             checkpoint=result.checkpoint,
         )
 
-    def _estimates(self, tokens: int, size: int) -> tuple[float | None, float | None]:
-        """(restore, recompute) seconds from the measured read bandwidth and prefill rate."""
+    def reopen_estimates(
+        self, entry: ConversationCache, usable: int
+    ) -> tuple[float | None, float | None]:
+        """(restore, recompute) seconds the planner expects for the first `usable` tokens
+        of `entry`, from the measured read bandwidth and prefill rate (None: not measured
+        yet on this machine)."""
+        size = self.kvstore.bytes_to_read(entry, usable)
         bandwidth = self.measurements.get(READ_BANDWIDTH)
         rate = self.measurements.get(self._prefill_key())
-        return (size / bandwidth if bandwidth else None, tokens / rate if rate else None)
+        return (size / bandwidth if bandwidth else None, usable / rate if rate else None)
 
     def _prefill_key(self) -> str:
         return f"prefill_tps:{self.kvstore.fingerprint}"
