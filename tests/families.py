@@ -30,12 +30,13 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+
+from app.bench.shapes import word_tokens
 
 VOCAB = 49152
 HIDDEN = 64
@@ -258,26 +259,6 @@ FAMILIES: dict[str, Family] = {
 def _config(family: Family) -> dict:
     base = {} if family.extras.get("no_common") else dict(_COMMON)
     return {**base, **family.config, "model_type": family.model_type}
-
-
-@cache
-def word_tokens(tokenizer_json: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(spaced, bare): tokens that decode to " " + ASCII letters, or to letters alone,
-    and that the tokenizer encodes back to that one token."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(tokenizer_json))
-    candidates = []
-    for token_id in range(tokenizer.get_vocab_size()):
-        text = tokenizer.decode([token_id])
-        word = text[1:] if text.startswith(" ") else text
-        if len(word) > 1 and word.isascii() and word.isalpha():
-            candidates.append((token_id, text))
-    encoded = tokenizer.encode_batch([text for _, text in candidates], add_special_tokens=False)
-    pairs = zip(candidates, encoded, strict=True)
-    kept = [(tid, text) for (tid, text), e in pairs if e.ids == [tid]]
-    spaced = tuple(tid for tid, text in kept if text.startswith(" "))
-    return spaced, tuple(tid for tid, text in kept if not text.startswith(" "))
 
 
 def _embedding(model) -> nn.Embedding:

@@ -4,13 +4,16 @@ Each shape is the config.json of a model people run, less what does not change
 the arithmetic or the cache. `random_model` builds it with mlx-lm's own model
 class, 4-bit like a typical download; `model_folder` also writes it as a model
 folder (with the starter model's tokenizer files) that the engine loads like
-any other, for `bench reopen --shape`.
+any other, for `bench reopen --shape`, whose greedy replies are then words (see
+`word_tokens`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -126,8 +129,11 @@ def config_of(shape: str) -> dict:
     return dict(SHAPES[shape])
 
 
-def random_model(shape: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> nn.Module:
-    """The shape's architecture with random weights, 4-bit like a typical download."""
+def random_model(
+    shape: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0, words: Sequence[int] = ()
+) -> nn.Module:
+    """The shape's architecture with random weights, 4-bit like a typical download.
+    With `words` (token ids, see `word_tokens`) only those tokens can be its output."""
     from mlx_lm.utils import _get_classes
 
     config = config_of(shape)
@@ -135,9 +141,52 @@ def random_model(shape: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> nn
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     model.set_dtype(dtype)
+    if words:
+        _only_words_out(model, words)
     nn.quantize(model, group_size=GROUP_SIZE, bits=BITS)
     mx.eval(model.parameters())
     return model
+
+
+@cache
+def word_tokens(tokenizer_json: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(spaced, bare): tokens that decode to " " + ASCII letters, or to letters alone,
+    and that the tokenizer encodes back to that one token. Random weights otherwise
+    pick byte fragments, whose text does not survive a decode and re-encode as a real
+    model's replies do, and a reopened conversation would not extend its saved tokens."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    candidates = []
+    for token_id in range(tokenizer.get_vocab_size()):
+        text = tokenizer.decode([token_id])
+        word = text[1:] if text.startswith(" ") else text
+        if len(word) > 1 and word.isascii() and word.isalpha():
+            candidates.append((token_id, text))
+    encoded = tokenizer.encode_batch([text for _, text in candidates], add_special_tokens=False)
+    pairs = zip(candidates, encoded, strict=True)
+    kept = [(tid, text) for (tid, text), e in pairs if e.ids == [tid]]
+    spaced = tuple(tid for tid, text in kept if text.startswith(" "))
+    return spaced, tuple(tid for tid, text in kept if not text.startswith(" "))
+
+
+def _only_words_out(model: nn.Module, words: Sequence[int]) -> None:
+    """Zero every output row but the words': their logits are exactly 0, and among
+    thousands of random word rows some logit is positive for any hidden state, so
+    greedy decoding picks a word. (A tied embedding then feeds zeros for the other
+    tokens: harmless for a bench.)"""
+    head = _output_rows(model)
+    keep = mx.zeros((head.weight.shape[0], 1), dtype=head.weight.dtype)
+    keep[mx.array(list(words))] = 1
+    head.weight = head.weight * keep
+
+
+def _output_rows(model: nn.Module) -> nn.Module:
+    """The module whose weight rows make the logits: `lm_head`, or the tied embedding."""
+    for owner in (model, getattr(model, "language_model", None)):
+        if owner is not None and "lm_head" in owner:
+            return owner.lm_head
+    return next(m for _, m in model.named_modules() if isinstance(m, nn.Embedding))
 
 
 def model_folder(shape: str, tokenizer_dir: Path, out_dir: Path) -> Path:
@@ -145,7 +194,8 @@ def model_folder(shape: str, tokenizer_dir: Path, out_dir: Path) -> Path:
     tokenizer (its ids are below every shape's vocabulary size); return the folder."""
     folder = Path(out_dir) / f"random-{shape}"
     folder.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(random_model(shape).parameters()))
+    spaced, _ = word_tokens(Path(tokenizer_dir) / "tokenizer.json")
+    weights = dict(tree_flatten(random_model(shape, words=spaced).parameters()))
     mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
     config = {**config_of(shape), "quantization": {"group_size": GROUP_SIZE, "bits": BITS}}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
