@@ -153,7 +153,7 @@ def _add_bench_commands(commands) -> None:
     reopen.add_argument(
         "--shape",
         help="a real shape with random weights instead of a model: qwen3-1.7b, "
-        "llama-3.1-8b, gemma3-1b (sliding window), qwen3-next-hybrid, tiny",
+        "llama-3.1-8b, gemma3-1b (sliding window), qwen3-next-hybrid; tiny, tiny-sliding",
     )
     reopen.add_argument(
         "--cold",

@@ -219,6 +219,20 @@ def test_bench_reopen_on_a_shape_builds_it_with_random_weights(tiny_model_dir):
     assert "Unknown shape 'gpt-9'" in wrong.stderr
 
 
+def test_bench_reopen_on_a_sliding_shape_reuses_its_checkpoint(tiny_model_dir):
+    """A sliding-window cache cannot be trimmed: the reopened turn must extend the saved
+    tokens exactly, so the random shape's one-token replies must survive being stored
+    and rendered again (bare words, as a real model writes after "assistant\\n")."""
+    done = reprise(
+        "bench", "reopen", "--model", str(tiny_model_dir), "--shape", "tiny-sliding",
+        "--tokens", "120", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)["rows"]
+    assert row["restore_s"] > 0 and row["ttft_restore_s"] > 0
+    assert row["prefetch_s"] > 0 and row["history_tokens"] >= 120
+
+
 def test_bench_reopen_peer_without_what_it_needs_says_what_to_do(tiny_model_dir, tmp_path):
     """llama-cpp-python is a bench extra: without it, or without a GGUF to read, the peer
     is a message naming what is missing, before anything is measured."""

@@ -117,6 +117,24 @@ SHAPES = {
         "max_position_embeddings": 40960,
         "tie_word_embeddings": True,
     },
+    # A smoke run of the checkpoint path: a sliding-window layer and a global one.
+    "tiny-sliding": {
+        "model_type": "gemma3_text",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 32,
+        "sliding_window_pattern": 2,
+        "vocab_size": 49152,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "max_position_embeddings": 32768,
+    },
 }
 
 GROUP_SIZE, BITS = 64, 4
@@ -191,11 +209,17 @@ def _output_rows(model: nn.Module) -> nn.Module:
 
 def model_folder(shape: str, tokenizer_dir: Path, out_dir: Path) -> Path:
     """Write the shape as a model folder under `out_dir`, with `tokenizer_dir`'s
-    tokenizer (its ids are below every shape's vocabulary size); return the folder."""
+    tokenizer (its ids are below every shape's vocabulary size); return the folder.
+
+    Its only outputs are bare words (no leading space): `bench reopen` asks one-token
+    replies, each the first token after "assistant\n", where a real model writes a
+    bare word too. A spaced one is stored trimmed, so the saved tokens would not be
+    a prefix of the re-rendered conversation and a checkpointed (sliding or hybrid)
+    cache could not be reused."""
     folder = Path(out_dir) / f"random-{shape}"
     folder.mkdir(parents=True, exist_ok=True)
-    spaced, _ = word_tokens(Path(tokenizer_dir) / "tokenizer.json")
-    weights = dict(tree_flatten(random_model(shape, words=spaced).parameters()))
+    _, bare = word_tokens(Path(tokenizer_dir) / "tokenizer.json")
+    weights = dict(tree_flatten(random_model(shape, words=bare).parameters()))
     mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
     config = {**config_of(shape), "quantization": {"group_size": GROUP_SIZE, "bits": BITS}}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
