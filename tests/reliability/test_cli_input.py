@@ -202,11 +202,19 @@ def test_an_interactive_chat_names_a_bad_line_and_goes_on(tiny_model_dir):
     assert json.loads(reply[reply.index(b"{") :])["generated_tokens"] >= 1
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """A program started in the background (`make test &`, nohup) inherits SIGINT
+    ignored, and Python then keeps it ignored, as it should; a user at a terminal
+    has it at its default. The test is that user, whoever started the suite."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_at_a_piped_prompt_ends_the_chat(tiny_model_dir):
     process = subprocess.Popen(
         [REPRISE, "chat", "--model", str(tiny_model_dir), "--conversation", "new"],
         stdin=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=_sigint_as_at_a_terminal,
     )
     assert process.stderr.readline().startswith(b"Conversation ")
     time.sleep(1)  # waiting for a line
