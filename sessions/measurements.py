@@ -18,6 +18,11 @@ class Measurements:
         rows = list(self.db["measurements"].rows_where("key = ?", [key]))
         return rows[0]["value"] if rows else None
 
+    def starting_with(self, prefix: str) -> dict[str, float]:
+        """Every estimate whose key starts with `prefix` (compared as text, not a pattern)."""
+        rows = self.db["measurements"].rows_where("substr(key, 1, ?) = ?", [len(prefix), prefix])
+        return {row["key"]: row["value"] for row in rows}
+
     def observe(self, key: str, value: float) -> float:
         """Blend `value` into the running estimate for `key`; return the new estimate."""
         old = self.get(key)

@@ -387,19 +387,6 @@ def test_a_changed_kv_preference_converts_or_recomputes(tiny_model, saved_conver
     assert finished.stats.kv_format.startswith("8-bit (group 32")
 
 
-def test_the_planner_recomputes_when_that_is_faster(tiny_model, saved_conversation):
-    db = open_db()
-    engine = new_engine(tiny_model)
-    engine.measurements.observe("read_bytes_per_s", 1.0)  # a very slow disk
-    engine.measurements.observe(engine._prefill_key(), 1e6)
-    finished, _ = turn(engine, saved_conversation, "quick")
-    info = finished.restore
-    assert info.source == "recompute"
-    assert info.estimate_recompute_s < info.estimate_restore_s
-    assert "faster" in info.rejected
-    assert db["measurements"].count == 2
-
-
 @pytest.mark.parametrize("bits", KV_CHOICES)
 def test_export_writes_what_mlx_lm_loads_for_every_kv_preference(tiny_model, bits, tmp_path):
     """`reprise cache export`: mlx-lm's own loader reads the file, its classes are

@@ -9,8 +9,9 @@ tokens, saves its cache, then measures side by side:
 - bytes the reopened turn wrote against the KV bytes of the tokens it added;
 - time to first token after a prefetch (the restore a selection starts while the
   user types) against an engine that never closed, same prompt, same cached prefix;
-- the reopen planner's choice (from the bandwidth and prefill rate measured by the
-  rows before) against the faster of the two paths.
+- the reopen planner's choice (from the bandwidth and prefill rates measured by the
+  rows before, their recomputes included, as an app learns from its own) against the
+  faster of the two paths.
 
 Everything happens in a temporary folder; the user's data is not touched.
 """
@@ -105,6 +106,7 @@ def measure(
     prompt = reopened.session.render(reopened.store.get(conversation.id).chat_messages()[:-1])
     fresh = ChatSession(loaded)
     *_, recomputed = fresh.generate(prompt, sampling=ONE_TOKEN.sampling)
+    reopened.learn_prefill_rate(recomputed.stats)  # for the rows after, as an app would
 
     new_tokens = restored.stats.prompt_tokens + 1 - info.tokens
     kv_bytes_per_token = cache_bytes / len(entry.tokens)

@@ -45,6 +45,22 @@ _MEASURE_MIN_TOKENS = 64
 _NOTHING = ("recompute", 0.0, 0, 0)  # source, seconds, bytes and tokens of no restore
 
 
+def prefill_size_class(tokens: int) -> int:
+    """Prefill rates are kept per power of two of the tokens prefilled: per token, a GPU
+    prefills a long history many times faster than a turn of a hundred tokens (the H200:
+    a 16k-token history at ~20k tokens/s, the turns that built it at a few thousand), and
+    a CPU a long one somewhat slower (its attention grows with the length)."""
+    return tokens.bit_length()
+
+
+def nearest_rate(rates: dict[int, float], size_class: int) -> float | None:
+    """The rate measured for the size class nearest `size_class`, the smaller one on a
+    tie (the cautious guess on a GPU); None when nothing was measured."""
+    if not rates:
+        return None
+    return rates[min(rates, key=lambda c: (abs(c - size_class), c))]
+
+
 def recompute_is_faster(estimates: tuple[float | None, float | None]) -> bool:
     """The planner's rule: recompute only when both paths are estimated and it wins."""
     restore, recompute = estimates
@@ -244,7 +260,7 @@ class ConversationEngine:
                     )
                     state = "cancelled" if event.stats.finish_reason == "cancelled" else "complete"
                     writer.finish(state, event.to_dict(), text)
-                    self._learn_prefill_rate(event.stats)
+                    self.learn_prefill_rate(event.stats)
                 yield event
         except BaseException:
             writer.finish("failed")
@@ -364,16 +380,27 @@ class ConversationEngine:
         self, entry: ConversationCache, usable: int
     ) -> tuple[float | None, float | None]:
         """(restore, recompute) seconds the planner expects for the first `usable` tokens
-        of `entry`, from the measured read bandwidth and prefill rate (None: not measured
-        yet on this machine)."""
+        of `entry`, from the measured read bandwidth and the prefill rate of the nearest
+        size (None: not measured yet on this machine)."""
         size = self.kvstore.bytes_to_read(entry, usable)
         bandwidth = self.measurements.get(READ_BANDWIDTH)
-        rate = self.measurements.get(self._prefill_key())
+        rate = nearest_rate(self._prefill_rates(), prefill_size_class(usable))
         return (size / bandwidth if bandwidth else None, usable / rate if rate else None)
 
-    def _prefill_key(self) -> str:
-        return f"prefill_tps:{self.kvstore.fingerprint}"
-
-    def _learn_prefill_rate(self, stats: TurnStats) -> None:
+    def learn_prefill_rate(self, stats: TurnStats) -> None:
+        """Blend a turn's prefill rate into the estimate for its size. (`bench reopen`
+        also gives it the recompute it times: what an app learns when it recomputes.)"""
         if stats.prefilled_tokens >= _MEASURE_MIN_TOKENS and stats.prefill_tps:
-            self.measurements.observe(self._prefill_key(), stats.prefill_tps)
+            self.measurements.observe(self._prefill_key(stats.prefilled_tokens), stats.prefill_tps)
+
+    def _prefill_key(self, tokens: int) -> str:
+        return f"{self._prefill_prefix()}{prefill_size_class(tokens)}"
+
+    def _prefill_prefix(self) -> str:
+        return f"prefill_tps:{self.kvstore.fingerprint}:"
+
+    def _prefill_rates(self) -> dict[int, float]:
+        """Size class: rate, for this model and cache format."""
+        prefix = self._prefill_prefix()
+        found = self.measurements.starting_with(prefix)
+        return {int(key.removeprefix(prefix)): rate for key, rate in found.items()}
