@@ -72,7 +72,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
             _hide_future(shaped, length - rows + start)
         elif given is not None:
             _apply(shaped, given[..., start:stop, :])
-        totals = _exp_in_place(shaped)
+        totals = exp_in_place(shaped)
         out = (scores @ values[..., :visible, :]) / mx.array(totals.reshape(*scores.shape[:-1], 1))
         blocks.append(out.reshape(batch, kv_heads, group, stop - start, -1))
     out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=3)
@@ -95,7 +95,7 @@ def _apply(scores: np.ndarray, mask: np.ndarray) -> None:
         scores += mask
 
 
-def _exp_in_place(scores: np.ndarray) -> np.ndarray:
+def exp_in_place(scores: np.ndarray) -> np.ndarray:
     """scores -> exp(scores - row maximum), in place; the row sums."""
     top = scores.max(axis=-1, keepdims=True)
     top[~np.isfinite(top)] = 0  # a row that sees nothing gives zeros, not NaN
