@@ -142,3 +142,19 @@ def test_a_model_reads_its_packed_cache_and_gets_the_oracles_logits(tiny_model, 
     assert kvattention.scaled_dot_product_attention is not kvattention._original
     assert mx.allclose(got, want, atol=5e-3, rtol=1e-3).item(), mx.abs(got - want).max()
     assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1))
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's decode path")
+def test_on_the_cpu_decode_reads_the_codes_without_widening_the_bulk(monkeypatch):
+    """The CPU's decode step takes its products with the codes (`cpu_decode`); the
+    dense path, which widens the whole bulk into a float32 copy every step, is not
+    reached (it cost 2-3x the time per layer)."""
+
+    def widened(*_args, **_kwargs):
+        raise AssertionError("the bulk was widened for a decode step")
+
+    monkeypatch.setattr(kvattention, "widen", widened)
+    for scheme in APP_SCHEMES.values():
+        layer = filled(scheme, 2, 64, mx.float32)
+        queries = mx.random.normal((1, 4, 1, 64), key=mx.random.key(7))
+        assert close(layer.attend(queries, 0.125, None), oracle(layer, queries)), scheme.format

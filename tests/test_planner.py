@@ -31,14 +31,17 @@ def test_the_planner_recomputes_when_that_is_faster(tiny_model, saved):
     conversation_id, _ = saved
     engine = new_engine(tiny_model)
     engine.measurements.observe(READ_BANDWIDTH, 1.0)  # a very slow disk
-    engine.measurements.observe(engine._prefill_key(64), 1e6)
+    far = engine._prefill_key(1 << 20)  # a size far from this chat's: the only one known
+    engine.measurements.observe(far, 1e6)
     finished, _ = turn(engine, conversation_id, "quick")
     info = finished.restore
     assert info.source == "recompute"
     assert info.estimate_recompute_s < info.estimate_restore_s
     assert "faster" in info.rejected
-    # The recompute taught the planner the rate of a prefill of its size.
-    learned = engine.measurements.get(engine._prefill_key(finished.stats.prefilled_tokens))
+    # The recompute taught the planner the rate of a prefill of its own size.
+    own = engine._prefill_key(finished.stats.prefilled_tokens)
+    assert own != far
+    learned = engine.measurements.get(own)
     assert learned is not None and learned > 0
 
 
@@ -54,9 +57,10 @@ def test_a_long_history_is_judged_by_long_prefills_not_by_short_turns(tiny_model
     assert (restore, recompute) == (pytest.approx(0.5), pytest.approx(5.0))
     assert not recompute_is_faster((restore, recompute))
 
-    engine.measurements.observe(engine._prefill_key(usable), usable / 0.05)  # a long prefill
+    engine.measurements.observe(engine._prefill_key(usable), usable / 0.05)  # its length
+    engine.measurements.observe(engine._prefill_key(usable << 8), usable / 1e-4)  # far longer
     restore, recompute = engine.reopen_estimates(entry, usable)
-    assert recompute == pytest.approx(0.05)
+    assert recompute == pytest.approx(0.05)  # neither the short turns' nor the fastest
     assert recompute_is_faster((restore, recompute))
 
 

@@ -44,6 +44,7 @@ from app.resource_files import resource
 from sessions import paths
 from sessions.cachefiles import path_from_url
 from sessions.db import open_db
+from sessions.measurements import Measurements
 
 TEXT = resource("text/ordinary-english.txt")
 ONE_TOKEN = TurnOptions(sampling=SamplingSettings.greedy(1))
@@ -80,6 +81,9 @@ def measure(
     when a conversation is reopened days later."""
     db = open_db()
     builder = ConversationEngine(db, loaded)
+    # The builder prefills the whole history at once, where an app's history grows turn
+    # by turn: what it times is not the planner's to know (its own measurements file).
+    builder.measurements = Measurements(open_db(paths.data_dir() / "bench-builder.db"))
     conversation = builder.store.create(loaded.name)
     build_history(builder, conversation.id, target)
     run_turn(builder, conversation.id, "Summarise this.")  # prefill all, save the cache

@@ -400,7 +400,8 @@ class ConversationEngine:
         return f"prefill_tps:{self.kvstore.fingerprint}:"
 
     def _prefill_rates(self) -> dict[int, float]:
-        """Size class: rate, for this model and cache format."""
+        """Size class: rate, for this model (any KV preference: the cache's format
+        changes a prefill's speed far less than its length does)."""
         prefix = self._prefill_prefix()
         found = self.measurements.starting_with(prefix)
         return {int(key.removeprefix(prefix)): rate for key, rate in found.items()}
