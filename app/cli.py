@@ -160,6 +160,12 @@ def _add_bench_commands(commands) -> None:
         action="store_true",
         help="drop the cache files from the OS's page cache before each read (Linux)",
     )
+    reopen.add_argument(
+        "--rows-to",
+        type=Path,
+        metavar="FILE",
+        help="also append each size's row to FILE as a JSON line, as soon as it is measured",
+    )
     _add_peer_arguments(reopen)
     reopen.add_argument("--json", action="store_true")
     kv = bench_commands.add_parser("kv", help="KV-cache quantization: quality, memory, speed")

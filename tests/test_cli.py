@@ -195,6 +195,23 @@ def test_bench_reopen_measures_each_size_and_skips_one_past_the_context(tiny_mod
     assert "skipped: 99999 tokens" in done.stderr
 
 
+def test_bench_reopen_writes_each_row_as_it_is_measured(tiny_model_dir, tmp_path):
+    """`--rows-to`: a JSON line per size, the skipped ones included, appended as they
+    come (a run cut short keeps what it finished)."""
+    rows_file = tmp_path / "rows.jsonl"
+    rows_file.write_text('{"earlier": "run"}\n')
+    done = reprise(
+        "bench", "reopen", "--model", str(tiny_model_dir), "--shape", "tiny",
+        "--tokens", "80", "999999", "--rows-to", str(rows_file),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    earlier, measured, skipped = (json.loads(line) for line in rows_file.read_text().splitlines())
+    assert earlier == {"earlier": "run"}
+    assert measured["model"] == "random-tiny" and measured["target"] == 80
+    assert measured["history_tokens"] >= 80 and measured["ttft_restore_s"] > 0
+    assert skipped["target"] == 999999 and "beyond the model's context" in skipped["skipped"]
+
+
 def test_bench_reopen_on_a_shape_builds_it_with_random_weights(tiny_model_dir):
     """`--shape`: a real shape's model class with random weights and the installed model's
     tokenizer, measured like an installed model; an unknown shape is a clear error.

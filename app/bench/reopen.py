@@ -198,14 +198,24 @@ def main(args: argparse.Namespace) -> int:
                 note = f"{target} tokens: beyond the model's context ({loaded.context_length})"
                 skipped.append(note)
                 print(f"skipped: {note}", file=sys.stderr, flush=True)
+                _append_row(args.rows_to, {"target": target, "skipped": note})
                 continue
             rows.append(measure(loaded, target, peer, args.cold))
+            _append_row(args.rows_to, {"model": model_dir.name, "target": target, **rows[-1]})
             if not args.json:
                 print(row_text(rows[-1]), flush=True)  # each size as soon as it is measured
     if args.json:
         result = {"model": model_dir.name, "compute": loaded.compute.describe(), "rows": rows}
         print(json.dumps({**result, "skipped": skipped}, indent=2))
     return 0
+
+
+def _append_row(path: Path | None, row: dict) -> None:
+    """`--rows-to`: one JSON line per size, written when measured, so that a run cut
+    short (a time limit on a borrowed GPU) keeps every size it finished."""
+    if path is not None:
+        with path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def _model_dir(args: argparse.Namespace, scratch: Path) -> Path:
