@@ -213,6 +213,14 @@ class CacheIndex:
     def forget_conversation(self, conversation_id: int) -> None:
         self.db["conversation_caches"].delete_where("conversation_id = ?", [conversation_id])
 
+    def last_keys(self, excluding: int | None = None) -> set[str]:
+        """The last chunk key of every conversation's cache but `excluding`'s."""
+        return {
+            entry.chunk_keys[-1]
+            for entry in self._conversation_entries()
+            if entry.chunk_keys and entry.conversation_id != excluding
+        }
+
     def referenced_keys(self) -> set[str]:
         keys: set[str] = set()
         for entry in self._conversation_entries():

@@ -45,6 +45,8 @@ from app.engine.codecs import (
     stored_dtype,
     stored_format,
 )
+from app.engine.kvquant import tail_rows_at
+from app.engine.kvscheme import parse_format
 from app.engine.loading import LoadedModel
 from app.engine.stored_arrays import from_stored
 from sessions.cachefiles import (
@@ -108,8 +110,9 @@ class KVStore:
         classes = tuple(type(layer).__name__ for layer in cache)
         written = size = 0
         existing = []
+        continued = self._continued_tail(conversation_id, chunks)
         for key, start, end in chunks:
-            if self._have(key):
+            if self._have(key) and key != continued:
                 existing.append(key)
                 continue
             part = tokens_hash(tokens[start:end])
@@ -121,6 +124,22 @@ class KVStore:
         self.index.touch(existing)
         self._point_conversation(conversation_id, fmt, tokens, [k for k, _, _ in chunks])
         return SaveReport(written, len(existing), size, time.perf_counter() - started)
+
+    def _continued_tail(self, conversation_id: int, chunks: list) -> str | None:
+        """The last chunk of this conversation's previous save, when this save goes on
+        past it and it holds a 16-bit window copy (a quantized cache's last chunk does):
+        it is written again without one, else every turn would leave a window on disk.
+        Not when another conversation's cache ends there and reopens with that copy."""
+        entry = self.index.conversation(conversation_id)
+        if entry is None or not entry.chunk_keys or len(chunks) < 2:
+            return None
+        last = entry.chunk_keys[-1]
+        ends = {key: end for key, _, end in chunks}
+        if last not in ends or ends[last] == chunks[-1][2]:
+            return None
+        if not _holds_window(entry.kv_format, ends[last]):
+            return None
+        return None if last in self.index.last_keys(excluding=conversation_id) else last
 
     def _chunk_ends(self, conversation_id: int, fmt: str, tokens: list[int]) -> list[int]:
         """Where this save's chunks end: the conversation's saved chunks that `tokens`
@@ -329,6 +348,15 @@ class KVStore:
             if prefix_keys.get(row["token_end"]) == key:
                 return number, key, row
         return None
+
+
+def _holds_window(fmt: str, end: int) -> bool:
+    """Whether a chunk of a cache saved as `fmt`, the last at `end` tokens, holds a
+    16-bit copy of the recent rows (plain formats hold no other copy)."""
+    try:
+        return tail_rows_at(end, parse_format(fmt)) > 0
+    except ValueError:
+        return False
 
 
 class _PrefixKeys:

@@ -1,0 +1,61 @@
+"""A quantized cache's 16-bit copy of its recent rows, on disk. The last chunk of a
+save holds it (a reopen needs it to be the live cache); a save that continues the
+conversation writes that chunk again without it, so a chat keeps one copy on disk,
+not one per turn."""
+
+from __future__ import annotations
+
+from safetensors import safe_open
+from test_cache_files import new_engine, turn
+
+from app.engine.conversation import TurnOptions
+from app.engine.generation import KVSettings, SamplingSettings
+from sessions.cachefiles import CacheIndex, path_from_url
+from sessions.db import open_db
+
+FOUR_BIT = TurnOptions(sampling=SamplingSettings.greedy(8), kv=KVSettings(bits=4, group_size=32))
+
+
+def window_copies(conversation_id: int) -> list[bool]:
+    """Per chunk of the conversation's cache, whether its file holds 16-bit recent rows."""
+    index = CacheIndex(open_db())
+    found = []
+    for key in index.conversation(conversation_id).chunk_keys:
+        with safe_open(path_from_url(index.chunk(key)["url"], index.root), "numpy") as f:
+            found.append(any(name.split(".", 1)[1].startswith("t") for name in f.keys()))  # noqa: SIM118
+    return found
+
+
+def test_a_quantized_chat_keeps_one_window_copy_and_reopens_as_it_never_closed(tiny_model):
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    for text in ("hello there", "tell me more about it", "and then what happened next"):
+        turn(engine, conversation.id, text, FOUR_BIT)
+        copies = window_copies(conversation.id)
+        assert copies[-1] and not any(copies[:-1]), copies
+    bytes_on_disk = CacheIndex(open_db()).usage()[1]
+
+    reopened = new_engine(tiny_model)  # as after a restart
+    from_disk, _ = turn(reopened, conversation.id, "one more", FOUR_BIT)
+    assert from_disk.restore.source == "disk"
+    assert from_disk.stats.reused_tokens == len(engine.session.tokens)
+    # The engine that never closed answers the same message from the cache it holds.
+    user = reopened.store.message(from_disk.message_id).parent_id
+    held = [e for e in engine.edit(user, "one more", FOUR_BIT) if hasattr(e, "restore")][-1]
+    assert held.restore.source == "memory"
+    assert held.text == from_disk.text
+    assert CacheIndex(open_db()).usage()[1] > bytes_on_disk  # it saved, as before
+
+
+def test_a_chat_that_ends_where_another_goes_on_keeps_its_copy(tiny_model):
+    """Two chats with the same history share their chunks; when one goes on, the other
+    still ends at the shared chunk and reopens with its 16-bit rows."""
+    engine = new_engine(tiny_model)
+    first, second = (engine.store.create(tiny_model.name) for _ in range(2))
+    for conversation in (first, second):
+        turn(engine, conversation.id, "hello there", FOUR_BIT)
+    index = CacheIndex(open_db())
+    assert index.conversation(first.id).chunk_keys == index.conversation(second.id).chunk_keys
+    turn(engine, first.id, "tell me more about it", FOUR_BIT)
+    assert window_copies(second.id)[-1]
+    assert window_copies(first.id)[-1]
