@@ -146,10 +146,8 @@ class KVStore:
         still begin with stay as they are, and new chunks hold the tokens after them."""
         kept: list[int] = []
         entry = self.index.conversation(conversation_id)
-        if entry and entry.chunk_tokens and (entry.model_fingerprint, entry.kv_format) == (
-            self.fingerprint,
-            fmt,
-        ):
+        ours = (self.fingerprint, fmt)
+        if entry and entry.chunk_tokens and (entry.model_fingerprint, entry.kv_format) == ours:
             same = _common_prefix(entry.tokens, tokens)
             try:
                 kept = [end for _, _, end in self._saved_chunks(entry) if end <= same]
