@@ -8,6 +8,7 @@ from __future__ import annotations
 from safetensors import safe_open
 from test_cache_files import new_engine, turn
 
+from app.engine.codecs import is_window_copy
 from app.engine.conversation import TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
 from sessions.cachefiles import CacheIndex, path_from_url
@@ -22,17 +23,34 @@ def window_copies(conversation_id: int) -> list[bool]:
     found = []
     for key in index.conversation(conversation_id).chunk_keys:
         with safe_open(path_from_url(index.chunk(key)["url"], index.root), "numpy") as f:
-            found.append(any(name.split(".", 1)[1].startswith("t") for name in f.keys()))  # noqa: SIM118
+            found.append(any(is_window_copy(name) for name in f.keys()))  # noqa: SIM118
     return found
+
+
+def chunk_arrays(key: str) -> dict:
+    index = CacheIndex(open_db())
+    with safe_open(path_from_url(index.chunk(key)["url"], index.root), "numpy") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
 
 
 def test_a_quantized_chat_keeps_one_window_copy_and_reopens_as_it_never_closed(tiny_model):
     engine = new_engine(tiny_model)
     conversation = engine.store.create(tiny_model.name)
+    before = {}
     for text in ("hello there", "tell me more about it", "and then what happened next"):
         turn(engine, conversation.id, text, FOUR_BIT)
         copies = window_copies(conversation.id)
         assert copies[-1] and not any(copies[:-1]), copies
+        # A chunk written again keeps every byte of its tokens; only the copy went.
+        for key, arrays in before.items():
+            again = chunk_arrays(key)
+            kept = {name for name in arrays if not is_window_copy(name)}
+            assert set(again) == kept
+            assert all((again[name] == arrays[name]).all() for name in kept)
+        before = {
+            key: chunk_arrays(key)
+            for key in CacheIndex(open_db()).conversation(conversation.id).chunk_keys[-1:]
+        }
     bytes_on_disk = CacheIndex(open_db()).usage()[1]
 
     reopened = new_engine(tiny_model)  # as after a restart

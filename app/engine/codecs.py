@@ -155,6 +155,12 @@ class MixedCodec:
 CODECS = {codec.name: codec for codec in (PlainCodec(), MixedCodec())}
 
 
+def is_window_copy(name: str) -> bool:
+    """Whether a chunk file's tensor "<layer>.<tensor>" is a 16-bit copy of the recent
+    rows (`MixedCodec`'s "t<end>k" and "t<end>v", held by the last chunk of a save)."""
+    return name.split(".", 1)[-1].startswith("t")
+
+
 def stored_format(live: str, sixteen_bit: str | None) -> str:
     """The format a plain cache is saved in: a float32 cache of a 16-bit model (the CPU
     path computes in float32) is saved in the model's own 16-bit type, half the bytes;

@@ -40,6 +40,7 @@ from app.engine.codecs import (
     LayerShape,
     check_layer,
     chunk_tensors,
+    is_window_copy,
     read_classes,
     split_layers,
     stored_dtype,
@@ -119,7 +120,10 @@ class KVStore:
             manifest = ChunkManifest(
                 self.fingerprint, fmt, key, start, end, part, len(cache), classes
             )
-            size += self._write(manifest, chunk_tensors(cache, start, end, stored_dtype(fmt)))
+            tensors = self._without_window(manifest) if key == continued else None
+            if tensors is None:
+                tensors = chunk_tensors(cache, start, end, stored_dtype(fmt))
+            size += self._write(manifest, tensors)
             written += 1
         self.index.touch(existing)
         self._point_conversation(conversation_id, fmt, tokens, [k for k, _, _ in chunks])
@@ -140,6 +144,16 @@ class KVStore:
         if not _holds_window(entry.kv_format, ends[last]):
             return None
         return None if last in self.index.last_keys(excluding=conversation_id) else last
+
+    def _without_window(self, manifest: ChunkManifest) -> dict | None:
+        """The chunk's tensors as its file holds them, less the window copy: the file's
+        own bytes, so that what other chats share under its key stays exactly what it
+        was. None when it cannot be read (`read_chunk` then dropped it)."""
+        try:
+            tensors, _, _ = self.index.read_chunk(manifest.key, manifest.expected())
+        except CacheRejected:
+            return None
+        return {name: array for name, array in tensors.items() if not is_window_copy(name)}
 
     def _chunk_ends(self, conversation_id: int, fmt: str, tokens: list[int]) -> list[int]:
         """Where this save's chunks end: the conversation's saved chunks that `tokens`
