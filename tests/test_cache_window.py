@@ -5,6 +5,7 @@ not one per turn."""
 
 from __future__ import annotations
 
+import pytest
 from safetensors import safe_open
 from test_cache_files import new_engine, turn
 
@@ -77,3 +78,29 @@ def test_a_chat_that_ends_where_another_goes_on_keeps_its_copy(tiny_model):
     turn(engine, first.id, "tell me more about it", FOUR_BIT)
     assert window_copies(second.id)[-1]
     assert window_copies(first.id)[-1]
+
+
+def test_a_crash_while_a_chunk_is_written_again_leaves_nothing_stale(tiny_model, monkeypatch):
+    """Killed between the new file and its index row: no row names a file of another
+    size (`cache verify` finds nothing), the orphan goes with gc, and the chat reopens."""
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    turn(engine, conversation.id, "hello there", FOUR_BIT)
+    rewritten = CacheIndex(open_db()).conversation(conversation.id).chunk_keys[-1]
+    add_chunk = CacheIndex.add_chunk
+
+    def killed_for_the_rewrite(self, key, *args):
+        if key == rewritten:
+            raise KeyboardInterrupt  # as a kill would stop it, after the file, before the row
+        return add_chunk(self, key, *args)
+
+    monkeypatch.setattr(CacheIndex, "add_chunk", killed_for_the_rewrite)
+    with pytest.raises(KeyboardInterrupt):
+        turn(engine, conversation.id, "tell me more about it", FOUR_BIT)
+    monkeypatch.setattr(CacheIndex, "add_chunk", add_chunk)  # not undo(): it keeps the tmp dirs
+
+    index = CacheIndex(open_db())
+    assert index.verify() == []
+    assert index.collect_garbage(orphan_age=0)["orphan_files"] >= 1
+    reopened, _ = turn(new_engine(tiny_model), conversation.id, "one more", FOUR_BIT)
+    assert reopened.text

@@ -121,7 +121,11 @@ class KVStore:
                 self.fingerprint, fmt, key, start, end, part, len(cache), classes
             )
             tensors = self._without_window(manifest) if key == continued else None
-            if tensors is None:
+            if tensors is not None:
+                # Its row and file go first, as any chunk's do: a crash before the new
+                # file has its row leaves an orphan for gc, never a row of the old size.
+                self.index.delete_chunk(key)
+            else:
                 tensors = chunk_tensors(cache, start, end, stored_dtype(fmt))
             size += self._write(manifest, tensors)
             written += 1
