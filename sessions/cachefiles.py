@@ -213,13 +213,22 @@ class CacheIndex:
     def forget_conversation(self, conversation_id: int) -> None:
         self.db["conversation_caches"].delete_where("conversation_id = ?", [conversation_id])
 
-    def last_keys(self, excluding: int | None = None) -> set[str]:
-        """The last chunk key of every conversation's cache but `excluding`'s."""
-        return {
-            entry.chunk_keys[-1]
-            for entry in self._conversation_entries()
-            if entry.chunk_keys and entry.conversation_id != excluding
-        }
+    def ends_elsewhere(self, key: str, conversation_id: int) -> bool:
+        """Whether another conversation's cache ends at chunk `key`. Only the key lists
+        are read (a save asks it, and the token lists grow with every chat); a damaged
+        list counts as ending there, the cautious answer."""
+        rows = self.db.execute(
+            "select chunk_keys from conversation_caches where conversation_id is not ?",
+            [conversation_id],
+        )
+        for (listed,) in rows:
+            try:
+                keys = json.loads(listed)
+            except (TypeError, ValueError):
+                return True
+            if isinstance(keys, list) and keys and keys[-1] == key:
+                return True
+        return False
 
     def referenced_keys(self) -> set[str]:
         keys: set[str] = set()

@@ -106,12 +106,13 @@ class KVStore:
             self.index.forget_conversation(conversation_id)
             return SaveReport()
         fmt = stored_format(live, self.sixteen_bit)
-        ends = self._chunk_ends(conversation_id, fmt, tokens)
+        previous = self.index.conversation(conversation_id)
+        ends = self._chunk_ends(previous, fmt, tokens)
         chunks = chain_keys(self.fingerprint, fmt, tokens, ends)
         classes = tuple(type(layer).__name__ for layer in cache)
         written = size = 0
         existing = []
-        continued = self._continued_tail(conversation_id, chunks)
+        continued = self._continued_tail(previous, chunks)
         for key, start, end in chunks:
             if self._have(key) and key != continued:
                 existing.append(key)
@@ -133,12 +134,11 @@ class KVStore:
         self._point_conversation(conversation_id, fmt, tokens, [k for k, _, _ in chunks])
         return SaveReport(written, len(existing), size, time.perf_counter() - started)
 
-    def _continued_tail(self, conversation_id: int, chunks: list) -> str | None:
+    def _continued_tail(self, entry: ConversationCache | None, chunks: list) -> str | None:
         """The last chunk of this conversation's previous save, when this save goes on
         past it and it holds a 16-bit window copy (a quantized cache's last chunk does):
         it is written again without one, else every turn would leave a window on disk.
         Not when another conversation's cache ends there and reopens with that copy."""
-        entry = self.index.conversation(conversation_id)
         if entry is None or not entry.chunk_keys or len(chunks) < 2:
             return None
         last = entry.chunk_keys[-1]
@@ -147,7 +147,7 @@ class KVStore:
             return None
         if not _holds_window(entry.kv_format, ends[last]):
             return None
-        return None if last in self.index.last_keys(excluding=conversation_id) else last
+        return None if self.index.ends_elsewhere(last, entry.conversation_id) else last
 
     def _without_window(self, manifest: ChunkManifest) -> dict | None:
         """The chunk's tensors as its file holds them, less the window copy: the file's
@@ -159,11 +159,13 @@ class KVStore:
             return None
         return {name: array for name, array in tensors.items() if not is_window_copy(name)}
 
-    def _chunk_ends(self, conversation_id: int, fmt: str, tokens: list[int]) -> list[int]:
-        """Where this save's chunks end: the conversation's saved chunks that `tokens`
-        still begin with stay as they are, and new chunks hold the tokens after them."""
+    def _chunk_ends(
+        self, entry: ConversationCache | None, fmt: str, tokens: list[int]
+    ) -> list[int]:
+        """Where this save's chunks end: the chunks of the conversation's saved `entry`
+        that `tokens` still begin with stay as they are, and new chunks hold the tokens
+        after them."""
         kept: list[int] = []
-        entry = self.index.conversation(conversation_id)
         ours = (self.fingerprint, fmt)
         if entry and entry.chunk_tokens and (entry.model_fingerprint, entry.kv_format) == ours:
             same = _common_prefix(entry.tokens, tokens)
