@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import sqlite_utils
 
 from sessions.cachefiles import now
@@ -16,12 +18,13 @@ class Measurements:
 
     def get(self, key: str) -> float | None:
         rows = list(self.db["measurements"].rows_where("key = ?", [key]))
-        return rows[0]["value"] if rows else None
+        return _estimate(rows[0]["value"]) if rows else None
 
     def starting_with(self, prefix: str) -> dict[str, float]:
         """Every estimate whose key starts with `prefix` (compared as text, not a pattern)."""
         rows = self.db["measurements"].rows_where("substr(key, 1, ?) = ?", [len(prefix), prefix])
-        return {row["key"]: row["value"] for row in rows}
+        found = {row["key"]: _estimate(row["value"]) for row in rows}
+        return {key: value for key, value in found.items() if value is not None}
 
     def observe(self, key: str, value: float) -> float:
         """Blend `value` into the running estimate for `key`; return the new estimate."""
@@ -33,3 +36,10 @@ class Measurements:
     def forget(self, key: str) -> None:
         """Drop the estimate for `key`: the next observation starts it afresh."""
         self.db["measurements"].delete_where("key = ?", [key])
+
+
+def _estimate(value: object) -> float | None:
+    """A stored estimate, if it is one: another program (or a damaged file) can store
+    anything in the column, and the planner divides by it."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if number and math.isfinite(value) and value > 0 else None

@@ -79,3 +79,22 @@ def test_estimates_of_another_model_are_not_used(tiny_model, saved):
     engine = new_engine(tiny_model)
     engine.measurements.observe("prefill_tps:another-model:7", 1e9)
     assert engine.reopen_estimates(entry, len(entry.tokens) - 1)[1] is None
+
+
+def test_damaged_estimates_are_not_used(tiny_model, saved):
+    """Another program (or a damaged database) can store anything in the measurements:
+    the planner ignores what is not a positive rate, and the reopen still works."""
+    conversation_id, entry = saved
+    engine = new_engine(tiny_model)
+    rows = open_db()["measurements"]
+    for key, value in [
+        (READ_BANDWIDTH, 0),
+        (f"{engine._prefill_prefix()}7", "fast"),
+        (f"{engine._prefill_prefix()}8", float("nan")),
+        (f"{engine._prefill_prefix()}x", 1e6),
+        (f"{engine._prefill_prefix()}²", 1e6),
+    ]:
+        rows.upsert({"key": key, "value": value, "updated": "x"}, pk="key")
+    assert engine.reopen_estimates(entry, len(entry.tokens) - 1) == (None, None)
+    finished, _ = turn(engine, conversation_id, "still works")
+    assert finished.restore.source == "disk"

@@ -404,4 +404,5 @@ class ConversationEngine:
         changes a prefill's speed far less than its length does)."""
         prefix = self._prefill_prefix()
         found = self.measurements.starting_with(prefix)
-        return {int(key.removeprefix(prefix)): rate for key, rate in found.items()}
+        sizes = {key: key.removeprefix(prefix) for key in found}
+        return {int(n): found[key] for key, n in sizes.items() if n.isascii() and n.isdigit()}
