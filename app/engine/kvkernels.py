@@ -18,8 +18,12 @@ rows (sink and tail), for all R query heads that share the KV head:
 4. a second kernel merges the chunks' (max, sum, partial output) by
    log-sum-exp, per query head and element.
 
-Counts travel in a small int32 array, so shapes (and the compiled kernels)
-change only when a buffer grows. No Metal counterpart is written: on Metal
+Counts travel in a small int32 array and the grid follows the buffers' room
+(a slot past the tokens held writes an empty partial), so shapes (and the
+compiled kernels) change only when a buffer grows. The two launches run as
+one `mx.compile`d function: building a `cuda_kernel` call costs the host
+several times what the 16-bit attention's call does, and a decode step on a
+GPU is mostly host time for small models. No Metal counterpart is written: on Metal
 the app relies on `mx.quantized_matmul` (not measured here); a Metal port
 should keep exactly these steps.
 """
@@ -31,10 +35,9 @@ import struct
 import mlx.core as mx
 
 CHUNK = 128  # tokens (and threads) per block
-# Keys staged in shared memory when a chunk's packed keys take at most this much
-# (8-bit up to head size 128, 4-bit up to 256); `stage_keys` off is the old read.
-_STAGE_BYTES = 17 * 1024
-stage_keys = True
+_SHARED_BYTES = 48 * 1024  # static shared memory a block may declare
+stage_keys = True  # off: each thread reads its key's words from memory
+compile_launches = True  # off: each call builds its launches anew (for comparison)
 MAX_GROUP_HEADS = 8  # query heads per KV head the kernel is built for
 
 _PARTIALS = r"""
@@ -61,6 +64,15 @@ _PARTIALS = r"""
     const bool quant = c < nq;
     const int first = (quant ? c : c - nq) * CHUNK;
     const int count = min(CHUNK, (quant ? bulk_len : exact_len) - first);
+    const int64_t base = ((int64_t)(b * heads + h) * chunks + c) * R;
+    if (count <= 0) {  // a slot past the tokens held (the grid follows the buffers' room)
+        for (int i = t; i < R * D; i += CHUNK) po[base * D + i] = 0.0f;
+        if (t < R) {
+            pm[base + t] = LOW;
+            pl[base + t] = 0.0f;
+        }
+        return;
+    }
 
     for (int i = t; i < R * D; i += CHUNK) {
         const int r = i / D, d = i % D;
@@ -221,7 +233,6 @@ _PARTIALS = r"""
     }
     __syncthreads();
 
-    const int64_t base = ((int64_t)(b * heads + h) * chunks + c) * R;
     for (int i = t; i < R * D; i += CHUNK) po[base * D + i] = sout[i / D][i % D];
     if (t < R) {
         pm[base + t] = m[t];
@@ -229,25 +240,43 @@ _PARTIALS = r"""
     }
 """
 
+# The merge: one block per query head and 32 output elements, its 8 warps taking
+# every 8th chunk (one thread per element walking every chunk was a long chain of
+# loads at 16k tokens and more).
 _MERGE = r"""
     const int chunks = pm_shape[2], R = pm_shape[3], D = po_shape[4];
-    const int64_t total = (int64_t)pm_shape[0] * pm_shape[1] * R * D;
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= total) return;
-    const int d = i % D;
-    const int64_t row = i / D;  // (batch * kv head) * R + query head in group
+    const int slices = D / 32;
+    const int64_t row = blockIdx.x / slices;  // (batch * kv head) * R + query head in group
+    const int d = (blockIdx.x % slices) * 32 + threadIdx.x % 32, sub = threadIdx.x / 32;
     const int r = row % R;
     const int64_t bh = row / R;
+    __shared__ float stop[8], sacc[8][32], sweight[8];
     float top = -3.0e38f;
-    for (int c = 0; c < chunks; c++) top = fmaxf(top, pm[(bh * chunks + c) * R + r]);
+    for (int c = threadIdx.x; c < chunks; c += 256) top = fmaxf(top, pm[(bh * chunks + c) * R + r]);
+    for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
+    if (threadIdx.x % 32 == 0) stop[sub] = top;
+    __syncthreads();
+    top = stop[0];
+    for (int i = 1; i < 8; i++) top = fmaxf(top, stop[i]);
     float weight = 0.0f, acc = 0.0f;
-    for (int c = 0; c < chunks; c++) {
+    #pragma unroll 4
+    for (int c = sub; c < chunks; c += 8) {
         const int64_t at = (bh * chunks + c) * R + r;
         const float w = __expf(pm[at] - top);
         weight += w * pl[at];
         acc += w * po[at * D + d];
     }
-    out[i] = static_cast<TQ>(acc / weight);
+    sacc[sub][threadIdx.x % 32] = acc;
+    if (threadIdx.x % 32 == 0) sweight[sub] = weight;
+    __syncthreads();
+    if (sub == 0) {
+        float a = 0.0f, w = 0.0f;
+        for (int i = 0; i < 8; i++) {
+            a += sacc[i][threadIdx.x];
+            w += sweight[i];
+        }
+        out[row * D + d] = static_cast<TQ>(a / w);
+    }
 """
 
 _kernels: dict[str, object] = {}
@@ -311,50 +340,81 @@ def _meta(values: tuple) -> mx.array:
     return _last_meta[1]
 
 
-def _stages(head_dim: int, key_bits: int) -> bool:
-    return stage_keys and CHUNK * (head_dim * key_bits // 32 + 1) * 4 <= _STAGE_BYTES
+def _stages_keys(head_dim: int, key_bits: int, group: int, group_heads: int) -> bool:
+    """Whether a block's packed keys fit in shared memory beside the rest of it."""
+    rest = 4 * group_heads * (2 * head_dim + head_dim // group + CHUNK + CHUNK // 32)
+    return rest + 4 * CHUNK * (head_dim * key_bits // 32 + 1) <= _SHARED_BYTES
 
 
 def decode(layout, queries: mx.array, scale: float) -> mx.array:
     """Attention of one query per head over the packed layer `layout`."""
-    B, heads, _, D = queries.shape
-    kw, ks, kb = layout.bulk[0].buffers
-    vw, vs, vb = layout.bulk[1].buffers
+    (kw, ks, kb), (vw, vs, vb) = layout.bulk[0].buffers, layout.bulk[1].buffers
     (ek,), (ev,) = layout.exact[0].buffers, layout.exact[1].buffers
-    kv_heads = ek.shape[1]
-    group_heads = heads // kv_heads
-    bulk_len = layout.bulk_end - layout.bulk_start
-    exact_len = len(layout.exact[0])
-    nq = -(-bulk_len // CHUNK)
-    chunks = nq + -(-exact_len // CHUNK)
     (scale_bits,) = struct.unpack("<i", struct.pack("<f", scale))
-    bulk_lo, exact_lo = layout.bulk[0].lo + layout.bulk_start, layout.exact[0].lo
-    meta = _meta((bulk_lo, bulk_len, exact_lo, exact_len, scale_bits, nq))
-    partial_shape = (B, kv_heads, chunks, group_heads)
-    po, pm, pl = _kernel("partials")(
-        inputs=[queries, meta, kw, ks, kb, vw, vs, vb, ek, ev],
-        template=[
-            ("TS", ek.dtype),
-            ("D", D),
-            ("KBITS", layout.bulk[0].bits),
-            ("VBITS", layout.bulk[1].bits),
-            ("GROUP", layout.bulk[0].group_size),
-            ("R", group_heads),
-            ("ROTATE", layout.rotated),
-            ("CHUNK", CHUNK),
-            ("STAGE", _stages(D, layout.bulk[0].bits)),
-        ],
-        grid=(chunks * CHUNK, kv_heads, B),
-        threadgroup=(CHUNK, 1, 1),
-        output_shapes=[(*partial_shape, D), partial_shape, partial_shape],
-        output_dtypes=[mx.float32] * 3,
+    counts = (
+        layout.bulk[0].lo + layout.bulk_start,
+        layout.bulk_end - layout.bulk_start,
+        layout.exact[0].lo,
+        len(layout.exact[0]),
+        scale_bits,
+        _slots(kw),
     )
-    (out,) = _kernel("merge")(
-        inputs=[po, pm, pl],
-        template=[("TQ", queries.dtype)],
-        grid=(B * heads * D, 1, 1),
-        threadgroup=(256, 1, 1),
-        output_shapes=[(B, heads, 1, D)],
-        output_dtypes=[queries.dtype],
-    )
-    return out
+    bits = (layout.bulk[0].bits, layout.bulk[1].bits)
+    config = (*bits, layout.bulk[0].group_size, layout.rotated, CHUNK, stage_keys)
+    attention = _compiled((*config, compile_launches))
+    return attention(queries, _meta(counts), kw, ks, kb, vw, vs, vb, ek, ev)
+
+
+def _slots(buffer: mx.array) -> int:
+    return -(-buffer.shape[2] // CHUNK)
+
+
+_attention_fns: dict[tuple, object] = {}
+
+
+def _compiled(config: tuple):
+    """The two launches as one compiled function per kernel configuration. Calling a
+    `cuda_kernel` builds its source and arguments anew each time, several times the
+    cost of the 16-bit attention's call; a compiled function replays the traced
+    launches, re-traced only when a buffer's shape changes (every few hundred
+    tokens). The grid follows the buffers' room, not the tokens held, so a trace
+    stays right as tokens arrive; the counts travel in `meta`."""
+    if config not in _attention_fns:
+        key_bits, value_bits, group, rotated, chunk, stage, compiles = config
+
+        def launch(queries, meta, kw, ks, kb, vw, vs, vb, ek, ev):
+            B, heads, _, D = queries.shape
+            kv_heads = ek.shape[1]
+            rows = heads // kv_heads
+            chunks = _slots(kw) + _slots(ek)
+            partial_shape = (B, kv_heads, chunks, rows)
+            po, pm, pl = _kernel("partials")(
+                inputs=[queries, meta, kw, ks, kb, vw, vs, vb, ek, ev],
+                template=[
+                    ("TS", ek.dtype),
+                    ("D", D),
+                    ("KBITS", key_bits),
+                    ("VBITS", value_bits),
+                    ("GROUP", group),
+                    ("R", rows),
+                    ("ROTATE", rotated),
+                    ("CHUNK", chunk),
+                    ("STAGE", stage and _stages_keys(D, key_bits, group, rows)),
+                ],
+                grid=(chunks * chunk, kv_heads, B),
+                threadgroup=(chunk, 1, 1),
+                output_shapes=[(*partial_shape, D), partial_shape, partial_shape],
+                output_dtypes=[mx.float32] * 3,
+            )
+            (out,) = _kernel("merge")(
+                inputs=[po, pm, pl],
+                template=[("TQ", queries.dtype)],
+                grid=(B * heads * D // 32 * 256, 1, 1),
+                threadgroup=(256, 1, 1),
+                output_shapes=[(B, heads, 1, D)],
+                output_dtypes=[queries.dtype],
+            )
+            return out
+
+        _attention_fns[config] = mx.compile(launch) if compiles else launch
+    return _attention_fns[config]
