@@ -18,6 +18,7 @@ the file's class names must match the model's.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -30,6 +31,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from app.engine.cache_keys import cache_parts
 from app.engine.kvchunked import ChunkedMixedKVCache
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import SIXTEEN_BIT
@@ -50,6 +52,8 @@ SNAPSHOT_CLASSES = {
     "CacheList": CacheList,
 }
 _QUANTIZABLE = (KVCache, RotatingKVCache)
+# Classes a checkpoint may leave to token chunks (the codecs' classes, app.engine.codecs).
+_IN_CHUNKS = ("KVCache", "MixedKVCache")
 # Sizes a layer takes from the model's config: a snapshot must agree with them.
 _MODEL_SIZES = ("max_size", "keep", "chunk_size")
 # Layers whose state names their KV format (a string, parsed by their own setter).
@@ -89,11 +93,17 @@ def _used_state(layer) -> tuple | list:
     return layer.state
 
 
-def _layer_layout(layer, prefix: str, tensors: dict[str, np.ndarray]) -> dict:
-    """One layer's layout entry, its arrays added to `tensors` under `prefix`."""
+def _layer_layout(layer, prefix: str, tensors: dict, slots: Iterator[int], in_chunks) -> dict:
+    """One layer's layout entry, its arrays added to `tensors` under `prefix`; a part
+    whose slot (`cache_parts`) is `in_chunks` is only named: token chunks hold it."""
     if type(layer) is CacheList:
-        parts = [_layer_layout(p, f"{prefix}.{m}", tensors) for m, p in enumerate(layer.caches)]
+        parts = [
+            _layer_layout(p, f"{prefix}.{m}", tensors, slots, in_chunks)
+            for m, p in enumerate(layer.caches)
+        ]
         return {"class": "CacheList", "parts": parts}
+    if next(slots) in in_chunks:
+        return {"class": type(layer).__name__, "in_chunks": True}
     items = []
     for n, item in enumerate(_used_state(layer)):
         name = f"{prefix}.{n}"
@@ -120,11 +130,31 @@ def _layer_layout(layer, prefix: str, tensors: dict[str, np.ndarray]) -> dict:
     return {"class": type(layer).__name__, "items": items}
 
 
-def snapshot(cache: list) -> tuple[dict[str, np.ndarray], str]:
-    """The cache's tensors by name, and the JSON layout that puts them back."""
+def snapshot(cache: list, in_chunks: Collection[int] = ()) -> tuple[dict[str, np.ndarray], str]:
+    """The cache's tensors by name, and the JSON layout that puts them back; the parts
+    whose slots are `in_chunks` (token chunks hold them) are named, not saved."""
     tensors: dict[str, np.ndarray] = {}
-    layout = [_layer_layout(layer, str(i), tensors) for i, layer in enumerate(cache)]
+    slots = iter(range(len(cache_parts(cache))))
+    layout = [
+        _layer_layout(layer, str(i), tensors, slots, set(in_chunks))
+        for i, layer in enumerate(cache)
+    ]
     return tensors, json.dumps(layout)
+
+
+def put_part(cache: list, slot: int, part) -> None:
+    """Put `part` in `cache` at `slot` (counted as `cache_parts` does)."""
+    for i, layer in enumerate(cache):
+        count = len(getattr(layer, "caches", (layer,)))
+        if slot >= count:
+            slot -= count
+        elif type(layer) is CacheList:
+            layer.caches = (*layer.caches[:slot], part, *layer.caches[slot + 1 :])
+            return
+        else:
+            cache[i] = part
+            return
+    raise IndexError("no such slot")
 
 
 def _array(tensors: dict[str, mx.array], name: str) -> mx.array:
@@ -135,25 +165,60 @@ def _array(tensors: dict[str, mx.array], name: str) -> mx.array:
 
 
 def restore(template: list, tensors: dict[str, mx.array], layout_json: str) -> list:
-    """Put a snapshot back into the model's fresh cache objects `template`."""
+    """Put a whole snapshot back into the model's fresh cache objects `template`."""
+    cache, in_chunks = restore_checkpoint(template, tensors, layout_json)
+    if in_chunks:
+        raise CacheRejected("a snapshot that leaves layers to token chunks")
+    return cache
+
+
+def restore_checkpoint(
+    template: list, tensors: dict[str, mx.array], layout_json: str
+) -> tuple[list, dict[int, str]]:
+    """Put a checkpoint back into the model's fresh cache objects `template`; the parts
+    token chunks hold stay fresh, and come back as {slot: class the layout names}."""
     try:
         layout = json.loads(layout_json)
     except ValueError as exc:
         raise CacheRejected("unreadable snapshot layout") from exc
     if not isinstance(layout, list) or len(layout) != len(template):
         raise CacheRejected("layer count does not match the model")
-    used: set[str] = set()
-    cache = [
-        _restore_layer(layer, spec, tensors, used)
-        for layer, spec in zip(template, layout, strict=True)
-    ]
-    if used != set(tensors):
+    restored = _Restored(tensors)
+    cache = [restored.layer(layer, spec) for layer, spec in zip(template, layout, strict=True)]
+    if restored.used != set(tensors):
         raise CacheRejected("tensor count does not match the layout")
-    return cache
+    return cache, restored.in_chunks
 
 
-def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
-    name = spec.get("class") if isinstance(spec, dict) else None
+class _Restored:
+    """What a checkpoint restore has met so far: tensors used, parts left to chunks."""
+
+    def __init__(self, tensors: dict[str, mx.array]) -> None:
+        self.tensors, self.used = tensors, set()
+        self.in_chunks: dict[int, str] = {}
+        self.slot = 0
+
+    def layer(self, layer, spec):
+        """`layer` (the model's fresh one) as `spec` has it, a CacheList's parts each."""
+        name = spec.get("class") if isinstance(spec, dict) else None
+        if name == "CacheList" and type(layer) is CacheList:
+            parts = spec.get("parts")
+            if not isinstance(parts, list) or len(parts) != len(layer.caches):
+                raise CacheRejected("a CacheList layer with the wrong number of parts")
+            layer.caches = tuple(self.layer(p, s) for p, s in zip(layer.caches, parts, strict=True))
+            return layer
+        slot, self.slot = self.slot, self.slot + 1
+        if isinstance(spec, dict) and spec.get("in_chunks") is True:
+            # Chunks hold only full-attention layers, and the fresh model layer is one.
+            if name not in _IN_CHUNKS or type(layer) is not KVCache:
+                raise CacheRejected(f"a {name} layer left to chunks where the model has none")
+            self.in_chunks[slot] = name
+            return layer
+        return _restore_layer(layer, name, spec, self.tensors, self.used)
+
+
+def _restore_layer(layer, name, spec: dict, tensors: dict[str, mx.array], used: set[str]):
+    """One part (never a CacheList) put back into the model's fresh `layer`."""
     sizes = {"max_size": None} | {k: getattr(layer, k) for k in _MODEL_SIZES if hasattr(layer, k)}
     if name not in SNAPSHOT_CLASSES:
         raise CacheRejected(f"unknown cache class {name!r}")
@@ -165,14 +230,6 @@ def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
         layer = ChunkedMixedKVCache(SIXTEEN_BIT, layer.chunk_size)  # and its chunk size
     elif name != type(layer).__name__:
         raise CacheRejected(f"a {name} layer where the model has {type(layer).__name__}")
-    if name == "CacheList":
-        parts = spec.get("parts")
-        if not isinstance(parts, list) or len(parts) != len(layer.caches):
-            raise CacheRejected("a CacheList layer with the wrong number of parts")
-        layer.caches = tuple(
-            _restore_layer(p, s, tensors, used) for p, s in zip(layer.caches, parts, strict=True)
-        )
-        return layer
     state = _state_items(spec.get("items"), tensors, used, text=name in _NAMES_FORMAT)
     if name in _ATTENTION:
         keys = state[0][0] if isinstance(state[0], tuple) else state[0]
