@@ -39,6 +39,7 @@ from sessions.chunkio import (
     now,
     path_from_url,
     read_file,
+    tensor_names,
     write_file,
 )
 from sessions.db import is_row_id
@@ -55,6 +56,7 @@ __all__ = [
     "now",
     "path_from_url",
     "read_file",
+    "tensor_names",
     "write_file",
 ]
 

@@ -56,6 +56,7 @@ from sessions.cachefiles import (
     ConversationCache,
     path_from_url,
     read_file,
+    tensor_names,
     write_file,
 )
 
@@ -120,7 +121,8 @@ class KVStore:
         existing = []
         continued = self._continued_tail(previous, chunks)
         for key, start, end in chunks:
-            if self.have(key) and key != continued:
+            windowless = end == len(tokens) and self._lacks_window(key, fmt, end)
+            if self.have(key) and key != continued and not windowless:
                 existing.append(key)
                 continue
             part = tokens_hash(tokens[start:end])
@@ -128,11 +130,11 @@ class KVStore:
                 self.fingerprint, fmt, key, start, end, part, len(classes), classes
             )
             tensors = self._without_window(manifest) if key == continued else None
-            if tensors is not None:
+            if tensors is not None or windowless:
                 # Its row and file go first, as any chunk's do: a crash before the new
                 # file has its row leaves an orphan for gc, never a row of the old size.
                 self.index.delete_chunk(key)
-            else:
+            if tensors is None:
                 tensors = chunk_tensors(cache, start, end, stored_dtype(fmt))
             size += self.write(manifest, tensors)
             written += 1
@@ -153,6 +155,16 @@ class KVStore:
         if not _holds_window(entry.kv_format, ends[last]):
             return None
         return None if self.index.ends_elsewhere(last, entry.conversation_id) else last
+
+    def _lacks_window(self, key: str, fmt: str, end: int) -> bool:
+        """Whether chunk `key`, saved and the last of this save at `end` tokens, lacks
+        the 16-bit copy of the recent rows a last chunk holds: another chat that went
+        on past it wrote it again without (`_continued_tail`). This chat ends there,
+        so it is written again with one, or a reopen reads those rows quantized."""
+        if not _holds_window(fmt, end) or not self.have(key):
+            return False
+        names = tensor_names(self.index.chunk_path(key))
+        return names is not None and not any(is_window_copy(name) for name in names)
 
     def _without_window(self, manifest: ChunkManifest) -> dict | None:
         """The chunk's tensors as its file holds them, less the window copy: the file's
