@@ -10,7 +10,7 @@ import json
 import families
 import pytest
 import sqlite_utils
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 from test_families import assert_identical
 
 from app.engine import snapshots
@@ -208,3 +208,31 @@ def _old_database(path):
     db = sqlite_utils.Database(path)
     migrations.apply(db, stop_before="m005_checkpoint_keys")
     return db
+
+
+@pytest.fixture(scope="module")
+def all_sliding_model(starter_model_dir, tmp_path_factory):
+    """The same model with every layer a sliding window, the global one included (mlx-lm
+    has no family without a global layer that a tiny model builds)."""
+    from app.engine.loading import load
+
+    folder = families.build("sliding", starter_model_dir, tmp_path_factory.mktemp("all"))
+    loaded = load(folder)
+    window = families.FAMILIES["sliding"].config["sliding_window"]
+    layers = len(loaded.model.layers)
+    loaded.model.make_cache = lambda: [RotatingKVCache(max_size=window) for _ in range(layers)]
+    return loaded
+
+
+def test_a_model_of_sliding_windows_alone_saves_checkpoints_alone(all_sliding_model):
+    never_closed, kept = started(all_sliding_model, 2)
+    expected, _ = turn(never_closed, kept, "so what now")
+    closed, conversation_id = started(all_sliding_model, 2)
+    entry = closed.index.conversation(conversation_id)
+    assert all(type(layer) is RotatingKVCache for layer in closed.session.cache)
+    assert (entry.kv_format, entry.chunk_keys, len(entry.checkpoint_keys)) == (SNAPSHOT, [], 2)
+
+    reopened = ConversationEngine(open_db(), all_sliding_model)
+    finished, _ = turn(reopened, conversation_id, "so what now")
+    assert (finished.restore.source, finished.restore.checkpoint) == ("disk", 2)
+    assert finished.text == expected.text

@@ -99,7 +99,10 @@ def _earlier_checkpoints(
 def bytes_to_read(store: KVStore, entry: ConversationCache, usable: int) -> int:
     """What restoring the first `usable` tokens of `entry` reads: its checkpoint, and
     the chunks of the tokens before it."""
-    picked = pick(store, entry, usable)
+    try:
+        picked = pick(store, entry, usable)
+    except CacheRejected:
+        return 0
     if picked is None:
         return 0
     _, _, row = picked
@@ -153,13 +156,10 @@ def _put_chunked_layers(
 def pick(store: KVStore, entry: ConversationCache, usable: int) -> tuple | None:
     """(number from 1, key, row) of the latest saved checkpoint that ends within the
     first `usable` tokens, before any evicted chunk, and whose key is theirs; None
-    when there is none."""
+    when there is none, `CacheRejected` when the chunks' rows are damaged."""
     limit = min(usable, len(entry.tokens))
     if entry.chunk_keys:
-        try:
-            chunks = store.saved_chunks(entry)
-        except CacheRejected:
-            return None
+        chunks = store.saved_chunks(entry)
         limit = min(limit, chunks[-1][2] if chunks else 0)
     prefix_keys = _PrefixKeys(store.fingerprint, entry.kv_format, entry.tokens)
     for number in range(len(entry.checkpoint_keys), 0, -1):
