@@ -17,7 +17,8 @@ from app.engine import snapshots
 from app.engine.cache_keys import SNAPSHOT, snapshot_key, tokens_hash
 from app.engine.codecs import ChunkManifest
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
-from app.engine.generation import SamplingSettings
+from app.engine.generation import KVSettings, SamplingSettings
+from app.engine.kvquant import MixedKVCache
 from sessions.cachefiles import CacheIndex, path_from_url, read_file, write_file
 from sessions.db import migrations, open_db
 
@@ -236,3 +237,34 @@ def test_a_model_of_sliding_windows_alone_saves_checkpoints_alone(all_sliding_mo
     finished, _ = turn(reopened, conversation_id, "so what now")
     assert (finished.restore.source, finished.restore.checkpoint) == ("disk", 2)
     assert finished.text == expected.text
+
+
+def test_a_quantized_chat_reopens_and_edits_from_its_checkpoints(words_model):
+    """8-bit KV: the global layer's chunks are quantized (MixedKVCache), the windows
+    are in the checkpoint; a reopen goes on exactly, an edit resumes a turn back."""
+    quantized = TurnOptions(sampling=OPTIONS.sampling, kv=KVSettings(bits=8, group_size=32))
+    never_closed = ConversationEngine(open_db(), words_model)
+    kept = never_closed.store.create(words_model.name).id
+    closed = ConversationEngine(open_db(), words_model)
+    conversation_id = closed.store.create(words_model.name).id
+    for text in (FIRST, LATER, LATER):
+        list(never_closed.send(kept, text, quantized))
+        list(closed.send(conversation_id, text, quantized))
+    entry = closed.index.conversation(conversation_id)
+    assert isinstance(closed.session.cache[2], MixedKVCache) and entry.kv_format.startswith("k8")
+
+    expected = finished_of(never_closed.send(kept, "so what now", quantized))
+    reopened = ConversationEngine(open_db(), words_model)
+    finished = finished_of(reopened.send(conversation_id, "so what now", quantized))
+    assert (finished.restore.source, finished.restore.checkpoint) == ("disk", 3)
+    assert finished.text == expected.text
+
+    third = reopened.store.get(conversation_id).messages[4]
+    edited = finished_of(reopened.edit(third.id, "an edited third message", quantized))
+    assert (edited.restore.source, edited.restore.checkpoint) == ("disk", 2)
+    assert edited.stats.reused_tokens == closed.index.chunk(entry.checkpoint_keys[1])["token_end"]
+    assert len(edited.text.split()) == 8
+
+
+def finished_of(events) -> ReplyFinished:
+    return next(e for e in events if isinstance(e, ReplyFinished))
