@@ -268,3 +268,44 @@ def test_a_quantized_chat_reopens_and_edits_from_its_checkpoints(words_model):
 
 def finished_of(events) -> ReplyFinished:
     return next(e for e in events if isinstance(e, ReplyFinished))
+
+
+@pytest.mark.parametrize("kill", ["chunk row", "checkpoint row", "conversation row"])
+def test_a_kill_during_a_save_leaves_the_turn_before_and_orphans_for_gc(
+    words_model, monkeypatch, kill
+):
+    """Killed after a file, before its row (or before the conversation's row): the
+    index still names the last turn's chunks and checkpoint, all readable; what the
+    killed save wrote goes with gc; the chat reopens from the checkpoint before."""
+    engine, conversation_id = started(words_model, 1)
+    before = engine.index.conversation(conversation_id)
+    add_chunk, set_conversation = CacheIndex.add_chunk, CacheIndex.set_conversation
+
+    def killed_before_a_row(self, key, path, size, fingerprint, fmt, *span):
+        if (fmt == SNAPSHOT) == (kill == "checkpoint row"):
+            raise KeyboardInterrupt  # as a kill would stop it, after the file
+        return add_chunk(self, key, path, size, fingerprint, fmt, *span)
+
+    def killed_before_the_entry(self, entry):
+        raise KeyboardInterrupt
+
+    if kill == "conversation row":
+        monkeypatch.setattr(CacheIndex, "set_conversation", killed_before_the_entry)
+    else:
+        monkeypatch.setattr(CacheIndex, "add_chunk", killed_before_a_row)
+    with pytest.raises(KeyboardInterrupt):
+        turn(engine, conversation_id, LATER)
+    monkeypatch.setattr(CacheIndex, "add_chunk", add_chunk)  # not undo(): it keeps the tmp dirs
+    monkeypatch.setattr(CacheIndex, "set_conversation", set_conversation)
+
+    index = CacheIndex(open_db())
+    assert index.verify() == []
+    assert index.conversation(conversation_id).all_keys == before.all_keys
+    removed = index.collect_garbage(orphan_age=0)
+    assert removed["orphan_files"] + removed["unreferenced"] >= 1
+    assert index.usage()[0] == len(before.all_keys)
+    finished, _ = turn(ConversationEngine(open_db(), words_model), conversation_id, "so what now")
+    assert (finished.restore.source, finished.restore.checkpoint) == ("disk", 1)
+    never_closed, kept = started(words_model, 2)  # now: it would share the killed save's files
+    expected, _ = turn(never_closed, kept, "so what now")
+    assert finished.text == expected.text
