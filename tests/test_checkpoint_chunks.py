@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import families
+import mlx.core as mx
 import pytest
 import sqlite_utils
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -309,3 +310,20 @@ def test_a_kill_during_a_save_leaves_the_turn_before_and_orphans_for_gc(
     never_closed, kept = started(words_model, 2)  # now: it would share the killed save's files
     expected, _ = turn(never_closed, kept, "so what now")
     assert finished.text == expected.text
+
+
+def test_float32_windows_of_a_16_bit_model_are_saved_in_its_16_bits(sliding_model):
+    """The CPU path computes in float32: a 16-bit model's windows are saved in its own
+    16-bit type, as its chunks are (half the bytes), and come back in float32."""
+    assert "converted from float16" in sliding_model.compute.weights
+    engine, conversation_id = started(sliding_model, 2)
+    entry = engine.index.conversation(conversation_id)
+    window = engine.session.cache[0]
+    assert type(window) is RotatingKVCache and window.keys.dtype == mx.float32
+    tensors, _ = read_file(path_from_url(engine.index.chunk(entry.checkpoint_keys[-1])["url"]), {})
+    assert {str(a.dtype) for a in tensors.values()} == {"float16"}
+
+    restored = engine.kvstore.restore(entry, len(entry.tokens)).cache[0]
+    assert type(restored) is RotatingKVCache and restored.keys.dtype == mx.float32
+    for ours, live in zip(restored.state[:2], window.state[:2], strict=True):
+        assert mx.array_equal(ours, live.astype(mx.float16).astype(mx.float32)).item()

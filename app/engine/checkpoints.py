@@ -27,7 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from app.engine import snapshots
 from app.engine.cache_keys import SNAPSHOT, cache_parts, checkpoint_key, kv_format, tokens_hash
-from app.engine.codecs import ChunkManifest, chunk_classes, stored_format
+from app.engine.codecs import ChunkManifest, chunk_classes, stored_dtype, stored_format
 from app.engine.stored_arrays import load_mlx
 from sessions.cachefiles import CacheRejected, ConversationCache, path_from_url, read_file
 
@@ -46,6 +46,13 @@ def chunk_format(cache: list, sixteen_bit: str | None) -> str | None:
     held = [part for part, name in zip(parts, chunk_classes(cache), strict=True) if name]
     live = kv_format(held) if held else None
     return stored_format(live, sixteen_bit) if live else None
+
+
+def _window_type(sixteen_bit: str | None) -> mx.Dtype | None:
+    """The 16-bit type a float32 window is saved in: the model's own, as its chunks are
+    (`stored_format`); None for a model of float32 weights."""
+    fmt = stored_format("float32", sixteen_bit)
+    return None if fmt == "float32" else stored_dtype(fmt)
 
 
 def save(
@@ -68,7 +75,7 @@ def save(
     if store.have(key):
         reused += 1
     else:
-        tensors, layout = snapshots.snapshot(cache, slots)
+        tensors, layout = snapshots.snapshot(cache, slots, _window_type(store.sixteen_bit))
         manifest = ChunkManifest(
             store.fingerprint, SNAPSHOT, key, 0, len(tokens), tokens_hash(tokens), len(cache)
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -60,6 +61,8 @@ _MODEL_SIZES = ("max_size", "keep", "chunk_size")
 _NAMES_FORMAT = ("MixedKVCache", "ChunkedMixedKVCache")
 # Layers whose first state item is their keys, one array per head and token.
 _ATTENTION = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
+# Layers whose first two state items are their keys and values, plain arrays.
+_WINDOWS = ("RotatingKVCache", "ChunkedKVCache")
 
 
 def is_chunkable(cache: list) -> bool:
@@ -93,53 +96,75 @@ def _used_state(layer) -> tuple | list:
     return layer.state
 
 
-def _layer_layout(layer, prefix: str, tensors: dict, slots: Iterator[int], in_chunks) -> dict:
-    """One layer's layout entry, its arrays added to `tensors` under `prefix`; a part
-    whose slot (`cache_parts`) is `in_chunks` is only named: token chunks hold it."""
+@dataclass
+class _Saving:
+    """What a snapshot being written needs as it walks the layers."""
+
+    tensors: dict[str, np.ndarray]
+    slots: Iterator[int]  # each part's slot, counted as `cache_parts` does
+    in_chunks: set[int]  # the slots token chunks hold
+    store_as: mx.Dtype | None  # the 16-bit type float32 windows are saved in
+
+
+def _layer_layout(layer, prefix: str, saving: _Saving) -> dict:
+    """One layer's layout entry, its arrays added to `saving.tensors` under `prefix`; a
+    part whose slot is `in_chunks` is only named: token chunks hold it."""
     if type(layer) is CacheList:
-        parts = [
-            _layer_layout(p, f"{prefix}.{m}", tensors, slots, in_chunks)
-            for m, p in enumerate(layer.caches)
-        ]
+        parts = [_layer_layout(p, f"{prefix}.{m}", saving) for m, p in enumerate(layer.caches)]
         return {"class": "CacheList", "parts": parts}
-    if next(slots) in in_chunks:
-        return {"class": type(layer).__name__, "in_chunks": True}
-    items = []
-    for n, item in enumerate(_used_state(layer)):
-        name = f"{prefix}.{n}"
-        if isinstance(item, mx.array):
-            tensors[name] = to_numpy(item)
-            items.append(["array", name])
-        elif isinstance(item, tuple | list) and any(isinstance(a, mx.array) for a in item):
-            names = []
-            for m, array in enumerate(item):  # an ArraysCache slot may still be empty
-                if array is None:
-                    names.append(None)
-                elif isinstance(array, mx.array):
-                    tensors[f"{name}.{m}"] = to_numpy(array)
-                    names.append(f"{name}.{m}")
-                else:
-                    raise TypeError(f"cannot snapshot {type(layer).__name__} item {type(array)}")
-            items.append(["arrays", names])
-        elif item is None or isinstance(item, int | float | str | bool):
-            items.append(["value", item])
-        elif isinstance(item, tuple | list) and all(a is None for a in item):
-            items.append(["arrays", [None] * len(item)])
-        else:
-            raise TypeError(f"cannot snapshot {type(layer).__name__} state item {type(item)}")
-    return {"class": type(layer).__name__, "items": items}
+    name = type(layer).__name__
+    if next(saving.slots) in saving.in_chunks:
+        return {"class": name, "in_chunks": True}
+    state = _used_state(layer)
+    narrowed = _narrowed(name, state, saving.store_as)
+    items = [_item(item, f"{prefix}.{n}", name, saving.tensors) for n, item in enumerate(narrowed)]
+    if narrowed is not state:  # say so, and the restore computes in float32 again
+        return {"class": name, "items": items, "computed_in": "float32"}
+    return {"class": name, "items": items}
 
 
-def snapshot(cache: list, in_chunks: Collection[int] = ()) -> tuple[dict[str, np.ndarray], str]:
+def _narrowed(name: str, state, store_as: mx.Dtype | None):
+    """A window's state with its float32 keys and values in `store_as`: as chunks
+    hold a float32 cache of a 16-bit model (`codecs.stored_format`), half the bytes."""
+    if store_as is None or name not in _WINDOWS or not isinstance(state[0], mx.array):
+        return state
+    if state[0].dtype != mx.float32:
+        return state
+    return (state[0].astype(store_as), state[1].astype(store_as), *state[2:])
+
+
+def _item(item, name: str, layer: str, tensors: dict[str, np.ndarray]) -> list:
+    """One state item's layout entry, its arrays added to `tensors` under `name`."""
+    if isinstance(item, mx.array):
+        tensors[name] = to_numpy(item)
+        return ["array", name]
+    if isinstance(item, tuple | list) and any(isinstance(a, mx.array) for a in item):
+        names = []
+        for m, array in enumerate(item):  # an ArraysCache slot may still be empty
+            if array is None:
+                names.append(None)
+            elif isinstance(array, mx.array):
+                tensors[f"{name}.{m}"] = to_numpy(array)
+                names.append(f"{name}.{m}")
+            else:
+                raise TypeError(f"cannot snapshot {layer} item {type(array)}")
+        return ["arrays", names]
+    if item is None or isinstance(item, int | float | str | bool):
+        return ["value", item]
+    if isinstance(item, tuple | list) and all(a is None for a in item):
+        return ["arrays", [None] * len(item)]
+    raise TypeError(f"cannot snapshot {layer} state item {type(item)}")
+
+
+def snapshot(
+    cache: list, in_chunks: Collection[int] = (), store_as: mx.Dtype | None = None
+) -> tuple[dict[str, np.ndarray], str]:
     """The cache's tensors by name, and the JSON layout that puts them back; the parts
-    whose slots are `in_chunks` (token chunks hold them) are named, not saved."""
-    tensors: dict[str, np.ndarray] = {}
-    slots = iter(range(len(cache_parts(cache))))
-    layout = [
-        _layer_layout(layer, str(i), tensors, slots, set(in_chunks))
-        for i, layer in enumerate(cache)
-    ]
-    return tensors, json.dumps(layout)
+    whose slots are `in_chunks` (token chunks hold them) are named, not saved, and
+    float32 windows are saved in `store_as` when given."""
+    saving = _Saving({}, iter(range(len(cache_parts(cache)))), set(in_chunks), store_as)
+    layout = [_layer_layout(layer, str(i), saving) for i, layer in enumerate(cache)]
+    return saving.tensors, json.dumps(layout)
 
 
 def put_part(cache: list, slot: int, part) -> None:
@@ -237,6 +262,8 @@ def _restore_layer(layer, name, spec: dict, tensors: dict[str, mx.array], used: 
             raise CacheRejected(
                 f"a {name} layer with the wrong keys {getattr(keys, 'shape', keys)}"
             )
+    if "computed_in" in spec:
+        state = _widened(name, state, spec["computed_in"])
     if name == "ArraysCache":
         slots = state[0] if state else None
         if not isinstance(slots, tuple) or len(slots) != len(layer.cache):
@@ -250,6 +277,15 @@ def _restore_layer(layer, name, spec: dict, tensors: dict[str, mx.array], used: 
         if getattr(layer, size, None) != value:
             raise CacheRejected(f"a {name} layer with another {size} than the model's")
     return layer
+
+
+def _widened(name: str, state: list, computed_in: object) -> list:
+    """A window saved in 16 bits (`_narrowed`) back in float32, the type it computes in."""
+    if computed_in != "float32" or name not in _WINDOWS:
+        raise CacheRejected(f"a {name} layer computed in {computed_in!r}")
+    if not all(isinstance(a, mx.array) and a.dtype != mx.float32 for a in state[:2]):
+        raise CacheRejected(f"a {name} layer whose 16-bit keys are not")
+    return [state[0].astype(mx.float32), state[1].astype(mx.float32), *state[2:]]
 
 
 def _state_items(items, tensors: dict[str, mx.array], used: set[str], text: bool) -> list:
