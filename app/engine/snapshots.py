@@ -1,13 +1,14 @@
-"""Whole-cache snapshots for models whose cache cannot be cut into chunks.
+"""Snapshots of the cache layers that cannot be cut into chunks: the checkpoint file.
 
 Sliding-window layers (`RotatingKVCache`) overwrite old positions and
 recurrent layers (`ArraysCache`) hold a running state, so neither can be split
-along the token axis. Such caches are saved whole after each turn (a message
-boundary), with the same checks as chunks. Each snapshot is a checkpoint: a
-turn restores the latest one whose tokens are a prefix of its prompt (the last
-turn's end when the conversation only grew, an earlier one after an edit or a
-regenerate; kvstore keeps them) and prefills the rest. A CacheList's parts
-are saved and restored each in its place.
+along the token axis. Their state is saved after each turn (a message
+boundary), with the same checks as chunks; the cache's full-attention layers,
+which token chunks hold (app.engine.checkpoints), are only named in the layout
+("in_chunks"), and come back from the chunks into their places. A CacheList's
+parts are saved and restored each in its place; a part's slot counts as
+`cache_keys.cache_parts` does. A snapshot with no "in_chunks" layer is a whole
+cache (as every snapshot was before checkpoints).
 
 A layer's `state` is a tuple of arrays, tuples of arrays and plain values; the
 layout in the file's metadata records which is which. Restoring sets the state
