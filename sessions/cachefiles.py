@@ -39,6 +39,7 @@ from sessions.chunkio import (
     now,
     path_from_url,
     read_file,
+    tensor_names,
     write_file,
 )
 from sessions.db import is_row_id
@@ -55,6 +56,7 @@ __all__ = [
     "now",
     "path_from_url",
     "read_file",
+    "tensor_names",
     "write_file",
 ]
 
@@ -180,6 +182,7 @@ class CacheIndex:
                 "tokens": np.asarray(entry.tokens, dtype="<i4").tobytes(),
                 "chunk_tokens": entry.chunk_tokens,
                 "chunk_keys": json.dumps(entry.chunk_keys),
+                "checkpoint_keys": json.dumps(entry.checkpoint_keys),
                 "updated": now(),
             },
             pk="conversation_id",
@@ -233,7 +236,7 @@ class CacheIndex:
     def referenced_keys(self) -> set[str]:
         keys: set[str] = set()
         for entry in self._conversation_entries():
-            keys.update(entry.chunk_keys)
+            keys.update(entry.all_keys)
         return keys
 
     # -- the whole cache -------------------------------------------------------------
@@ -252,13 +255,13 @@ class CacheIndex:
         chunks = {row["key"]: row for _, row in self.chunk_rows() if row}
         summary = []
         for entry in self._conversation_entries():
-            present = [chunks[k] for k in entry.chunk_keys if k in chunks]
+            present = [chunks[k] for k in entry.all_keys if k in chunks]
             summary.append(
                 {
                     "conversation_id": entry.conversation_id,
                     "tokens": len(entry.tokens),
                     "bytes": sum(c["bytes"] for c in present),
-                    "chunks": len(entry.chunk_keys),
+                    "chunks": len(entry.all_keys),
                     "chunks_on_disk": len(present),
                     "kv_format": entry.kv_format,
                     "last_used": max((c["last_used"] for c in present), default=entry.updated),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,8 +29,16 @@ class ConversationCache:
     kv_format: str
     tokens: list[int]
     chunk_tokens: int
-    chunk_keys: list[str]
+    chunk_keys: list[str]  # token chunks, in token order
     updated: str = ""
+    # Checkpoints at turns' ends, oldest first: the layers chunks cannot hold
+    # (sliding windows, recurrent state), for caches that have such layers.
+    checkpoint_keys: list[str] = field(default_factory=list)
+
+    @property
+    def all_keys(self) -> list[str]:
+        """Every file the entry uses: its chunks and its checkpoints."""
+        return [*self.chunk_keys, *self.checkpoint_keys]
 
 
 def is_key(value: object) -> bool:
@@ -69,16 +77,17 @@ def conversation_entry(row: dict) -> ConversationCache:
     if int(tokens.min()) < 0:
         raise CacheRejected("damaged index row (a negative token id)")
     chunk_tokens = _int(row, "chunk_tokens")
-    raw_keys = row.get("chunk_keys")
-    try:
-        keys = json.loads(raw_keys) if isinstance(raw_keys, str | bytes) else None
-    except (ValueError, RecursionError):
-        keys = None
-    if not isinstance(keys, list) or not keys or not all(is_key(k) for k in keys):
+    keys = _keys(row.get("chunk_keys"))
+    checkpoints = [] if row.get("checkpoint_keys") is None else _keys(row["checkpoint_keys"])
+    if checkpoints is None:
+        raise CacheRejected("damaged index row (checkpoint_keys is not a list of keys)")
+    if keys is None or not (keys or checkpoints):
         raise CacheRejected("damaged index row (chunk_keys is not a list of keys)")
     # Chunks of at most chunk_tokens cover the tokens in order (their spans are in
-    # their own rows); snapshots (chunk_tokens 0) are checkpoints, the last at the end.
-    if chunk_tokens and not math.ceil(len(tokens) / chunk_tokens) <= len(keys) <= len(tokens):
+    # their own rows); a cache of checkpoints alone has no chunk length (0).
+    if bool(keys) != bool(chunk_tokens) or (
+        keys and not math.ceil(len(tokens) / chunk_tokens) <= len(keys) <= len(tokens)
+    ):
         raise CacheRejected("damaged index row (chunk_keys do not match the tokens)")
     return ConversationCache(
         conversation_id=conversation_id,
@@ -88,7 +97,19 @@ def conversation_entry(row: dict) -> ConversationCache:
         chunk_tokens=chunk_tokens,
         chunk_keys=keys,
         updated=_text(row, "updated", optional=True),
+        checkpoint_keys=checkpoints,
     )
+
+
+def _keys(raw: object) -> list[str] | None:
+    """A JSON list of chunk keys (maybe empty); None when it is anything else."""
+    try:
+        keys = json.loads(raw) if isinstance(raw, str | bytes) else None
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(keys, list) or not all(is_key(k) for k in keys):
+        return None
+    return keys
 
 
 def chunk_entry(row: dict) -> dict:

@@ -296,3 +296,14 @@ def file_format(path: Path) -> str | None:
             return parse_header(f, os.fstat(f.fileno()).st_size).metadata.get(FORMAT_KEY)
     except CacheRejected:
         return None
+
+
+def tensor_names(path: Path) -> set[str] | None:
+    """The names of the tensors a cache file holds, from its header alone; None when
+    the file is not a readable cache file."""
+    try:
+        with _open_regular(path) as f:
+            header = parse_header(f, os.fstat(f.fileno()).st_size)
+    except CacheRejected:
+        return None
+    return {tensor.name for tensor in header.tensors}

@@ -121,6 +121,19 @@ def m004_chat_overrides(db: sqlite_utils.Database) -> None:
         table.add_column(name, kind)
 
 
+@migrations()
+def m005_checkpoint_keys(db: sqlite_utils.Database) -> None:
+    # A cache that cannot be cut along the token axis keeps its chunkable layers in
+    # token chunks (chunk_keys) and the rest in one checkpoint per turn's end
+    # (checkpoint_keys, JSON list, oldest first). A whole snapshot saved before
+    # (chunk_tokens 0) is a checkpoint that holds every layer.
+    db["conversation_caches"].add_column("checkpoint_keys", str)
+    db.execute(
+        "update conversation_caches set checkpoint_keys = chunk_keys, chunk_keys = '[]' "
+        "where chunk_tokens = 0"
+    )
+
+
 def open_db(
     path: Path | None = None,
     busy_timeout_s: float = BUSY_TIMEOUT_S,

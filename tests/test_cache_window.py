@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from safetensors import safe_open
 from test_cache_files import new_engine, turn
+from test_families import assert_identical
 
 from app.engine.codecs import is_window_copy
 from app.engine.conversation import TurnOptions
@@ -104,3 +105,24 @@ def test_a_crash_while_a_chunk_is_written_again_leaves_nothing_stale(tiny_model,
     assert index.collect_garbage(orphan_age=0)["orphan_files"] >= 1
     reopened, _ = turn(new_engine(tiny_model), conversation.id, "one more", FOUR_BIT)
     assert reopened.text
+
+
+def test_a_chat_that_ends_where_another_went_on_writes_its_copy_back(tiny_model):
+    """The other order: one chat went on past a chunk (written again without its copy),
+    then another ends there. Its save writes the copy back, so that it reopens with
+    its 16-bit rows, as it never closed."""
+    engine = new_engine(tiny_model)
+    first = engine.store.create(tiny_model.name)
+    turn(engine, first.id, "hello there", FOUR_BIT)
+    turn(engine, first.id, "tell me more about it", FOUR_BIT)
+    assert not any(window_copies(first.id)[:-1])
+    second = engine.store.create(tiny_model.name)
+    turn(engine, second.id, "hello there", FOUR_BIT)
+    index = CacheIndex(open_db())
+    ours = index.conversation(second.id).chunk_keys
+    assert index.conversation(first.id).chunk_keys[: len(ours)] == ours
+    assert window_copies(second.id)[-1] and window_copies(first.id)[len(ours) - 1]
+
+    entry = index.conversation(second.id)
+    restored = new_engine(tiny_model).kvstore.restore(entry, len(entry.tokens))
+    assert_identical(restored.cache, engine.session.cache)

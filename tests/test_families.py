@@ -243,7 +243,7 @@ def _check_preference(family_models, in_memory, family: str, bits: int | None, t
     path, loaded = family_models(family)
     engine, conversation_id = started(loaded, options(bits))
     entry = engine.index.conversation(conversation_id)
-    assert (entry.kv_format == "snapshot") != FAMILIES[family].chunkable
+    assert bool(entry.checkpoint_keys) != FAMILIES[family].chunkable
     restored = engine.kvstore.restore(entry, len(entry.tokens))
     assert restored.rejected is None and restored.tokens == engine.session.tokens
     _check_export(engine, conversation_id, restored.cache, tmp / "exported.safetensors")

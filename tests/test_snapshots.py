@@ -1,5 +1,5 @@
-"""Models whose cache cannot be chunked (sliding-window layers) save whole snapshots,
-one checkpoint per turn."""
+"""Models whose cache cannot be chunked (sliding-window layers) save their
+full-attention layers in token chunks and the others in one checkpoint per turn."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from conftest import SLIDING_WINDOW
 from mlx_lm.models.cache import RotatingKVCache
 
-from app.engine import kvstore
+from app.engine import checkpoints
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
@@ -50,8 +50,9 @@ def test_a_sliding_window_conversation_reopens_from_its_snapshot(sliding_model, 
     else:
         assert isinstance(window, RotatingKVCache)
     entry = CacheIndex(open_db()).conversation(conversation.id)
-    assert entry.kv_format == "snapshot" and len(entry.chunk_keys) == 2  # one per turn
-    assert CacheIndex(open_db()).usage()[0] == 2
+    assert entry.kv_format != "snapshot" and len(entry.checkpoint_keys) == 2  # one per turn
+    assert len(entry.chunk_keys) == 2  # the full-attention layer: each turn's tokens
+    assert CacheIndex(open_db()).usage()[0] == 4
 
     reopened = ConversationEngine(open_db(), sliding_model)
     finished = turn(reopened, conversation.id, "third", options)
@@ -79,7 +80,8 @@ def test_a_tampered_snapshot_layout_is_refused(words_model, damage):
     conversation = engine.store.create(words_model.name)
     turn(engine, conversation.id, "a first message longer than the sliding window", options)
     index = CacheIndex(open_db())
-    path = path_from_url(index.chunk(index.conversation(conversation.id).chunk_keys[0])["url"])
+    key = index.conversation(conversation.id).checkpoint_keys[0]
+    path = path_from_url(index.chunk(key)["url"])
     tensors, metadata = read_file(path, {})
     layout = json.loads(metadata["layout"])
     damage(layout)
@@ -98,7 +100,8 @@ def test_a_changed_history_or_a_bad_snapshot_recomputes(sliding_model):
     turn(engine, conversation.id, "a first message longer than the sliding window", options)
 
     index = CacheIndex(open_db())
-    path = path_from_url(index.chunk(index.conversation(conversation.id).chunk_keys[0])["url"])
+    key = index.conversation(conversation.id).checkpoint_keys[0]
+    path = path_from_url(index.chunk(key)["url"])
     tensors, metadata = read_file(path, {})
     layout = json.loads(metadata["layout"])
     layout[0]["class"] = "ForeignCache"
@@ -132,21 +135,22 @@ def test_an_edit_resumes_from_the_checkpoint_before_it_and_drops_the_old_branch(
     for text in ("second", "third"):
         turn(engine, conversation.id, text, options)
     index = CacheIndex(open_db())
-    assert len(index.conversation(conversation.id).chunk_keys) == 3
+    assert len(index.conversation(conversation.id).checkpoint_keys) == 3
 
     second = engine.store.get(conversation.id).messages[2]
     events = list(engine.edit(second.id, "an edited second", options))
     edited = next(e for e in events if isinstance(e, ReplyFinished))
     assert edited.restore.source == "disk" and edited.restore.checkpoint == 1, edited.restore
     assert edited.stats.reused_tokens == first.stats.prompt_tokens + 4
-    # The new branch keeps the first turn's checkpoint and its own; the old branch's
-    # later checkpoints are nobody's now, and gone.
-    assert len(index.conversation(conversation.id).chunk_keys) == 2
-    assert index.usage()[0] == 2
+    # The new branch keeps the first turn's checkpoint and its own, and the chunks of
+    # its tokens; the old branch's later checkpoints and chunks are nobody's now, and gone.
+    entry = index.conversation(conversation.id)
+    assert len(entry.checkpoint_keys) == 2 and len(entry.chunk_keys) == 2
+    assert index.usage()[0] == 4
 
 
 def test_a_conversation_keeps_its_latest_checkpoints(sliding_model, monkeypatch):
-    monkeypatch.setattr(kvstore, "MAX_CHECKPOINTS", 2)
+    monkeypatch.setattr(checkpoints, "MAX_CHECKPOINTS", 2)
     options = TurnOptions(sampling=SamplingSettings.greedy(2))
     engine = ConversationEngine(open_db(), sliding_model)
     conversation = engine.store.create(sliding_model.name)
@@ -155,6 +159,6 @@ def test_a_conversation_keeps_its_latest_checkpoints(sliding_model, monkeypatch)
         turn(engine, conversation.id, text, options)
         ends.append(len(engine.session.tokens))
     index = CacheIndex(open_db())
-    keys = index.conversation(conversation.id).chunk_keys
-    assert [index.chunk(key)["token_end"] for key in keys] == ends[-2:]
-    assert index.usage()[0] == 2
+    entry = index.conversation(conversation.id)
+    assert [index.chunk(key)["token_end"] for key in entry.checkpoint_keys] == ends[-2:]
+    assert index.usage()[0] == 2 + len(entry.chunk_keys)

@@ -144,7 +144,7 @@ def measure(
 
 def cache_files(engine: ConversationEngine, conversation_id: int) -> list[Path]:
     entry = engine.index.conversation(conversation_id)
-    return [path_from_url(engine.index.chunk(k)["url"]) for k in entry.chunk_keys]
+    return [path_from_url(engine.index.chunk(k)["url"]) for k in entry.all_keys]
 
 
 def evict(files: list[Path]) -> bool:

@@ -94,8 +94,17 @@ def snapshot_key(fingerprint: str, tokens: list[int]) -> str:
     return chunk_keys(fingerprint, SNAPSHOT, tokens, len(tokens))[0][0]
 
 
-def _parts(cache: list) -> list:
-    """Every layer's caches, a CacheList's parts in its place."""
+def checkpoint_key(fingerprint: str, fmt: str, tokens: list[int]) -> str:
+    """The key of a checkpoint after `tokens` whose other layers are chunks in `fmt`
+    (SNAPSHOT: none are, and the key is a whole snapshot's, as before chunks)."""
+    if fmt == SNAPSHOT:
+        return snapshot_key(fingerprint, tokens)
+    return chunk_keys(fingerprint, f"{SNAPSHOT}+{fmt}", tokens, len(tokens))[0][0]
+
+
+def cache_parts(cache: list) -> list:
+    """Every layer's caches, a CacheList's parts in its place: the slots a chunk
+    file's layers and a checkpoint's layout count in."""
     return [part for layer in cache for part in getattr(layer, "caches", (layer,))]
 
 
@@ -129,7 +138,7 @@ def describe_cache(cache: list | None) -> str:
     if not cache:
         return "empty"
     groups: dict[tuple[str, str], list[int]] = {}
-    for part in _parts(cache):
+    for part in cache_parts(cache):
         groups.setdefault(_kind_and_format(part), []).append(part.nbytes)
     if len(groups) == 1 and next(iter(groups))[0] == "attention":
         return next(iter(groups))[1]

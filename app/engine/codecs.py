@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from app.engine.cache_keys import cache_parts
 from app.engine.kvquant import MixedKVCache, tail_rows_at
 from app.engine.kvscheme import KVScheme, parse_format
 from app.engine.stored_arrays import to_numpy
@@ -43,12 +44,13 @@ class TensorSpec:
 
 
 def layer_shapes(model) -> list[LayerShape | None]:
-    """Per layer, its shape as the model really caches it, from one token fed into a
-    fresh cache (config fields differ between families; the model does not)."""
+    """Per layer (a CacheList's parts each in its place, `cache_parts`), its shape as
+    the model really caches it, from one token fed into a fresh cache (config fields
+    differ between families; the model does not)."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     shapes = []
-    for layer in cache:
+    for layer in cache_parts(cache):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if type(layer) is KVCache and keys is not None:
             shapes.append(LayerShape(keys.shape[1], keys.shape[3], values.shape[3], keys.dtype))
@@ -189,12 +191,21 @@ def scheme_of(fmt: str) -> KVScheme:
         raise CacheRejected(f"unknown KV format {fmt!r}") from exc
 
 
+def chunk_classes(cache: list) -> tuple[str | None, ...]:
+    """Per layer (`cache_parts`), the class a chunk file holds it as; None for a layer
+    chunks cannot hold (a checkpoint does)."""
+    return tuple(type(part).__name__ if codec_for(part) else None for part in cache_parts(cache))
+
+
 def chunk_tensors(cache: list, start: int, end: int, store_as: mx.Dtype | None = None) -> dict:
-    """Tokens [start, end) of every layer, named "<layer>.<tensor>", for a chunk file
+    """Tokens [start, end) of every layer a chunk holds (`chunk_classes`), named
+    "<layer>.<tensor>" with layers counted as `cache_parts` does, for a chunk file
     (`store_as`: the type plain layers are saved in; see `stored_format`)."""
     tensors = {}
-    for i, layer in enumerate(cache):
+    for i, layer in enumerate(cache_parts(cache)):
         codec = codec_for(layer)
+        if codec is None:
+            continue
         if isinstance(codec, PlainCodec):
             named = codec.tensors(layer, start, end, store_as)
         else:
@@ -263,8 +274,9 @@ class ChunkManifest:
         }
 
 
-def read_classes(metadata: dict[str, str], layers: int) -> list[str]:
-    """The cache class of every layer a chunk names; only codecs' classes pass."""
+def read_classes(metadata: dict[str, str], layers: int) -> list[str | None]:
+    """The cache class of every layer a chunk names, None for one it does not hold
+    (`chunk_classes`); only codecs' classes pass."""
     try:
         classes = json.loads(metadata.get("classes", ""))
     except ValueError as exc:
@@ -272,6 +284,6 @@ def read_classes(metadata: dict[str, str], layers: int) -> list[str]:
     if not isinstance(classes, list) or len(classes) != layers:
         raise CacheRejected("layer count does not match the model")
     for name in classes:
-        if name not in CODECS:
+        if name is not None and name not in CODECS:
             raise CacheRejected(f"unknown cache class {name!r}")
     return classes

@@ -282,7 +282,7 @@ class ConversationEngine:
             return CacheSaved(SaveReport(), error=str(exc))
         if self.budget_bytes is not None:
             entry = self.index.conversation(conversation_id)
-            keep = set(entry.chunk_keys) if entry else set()
+            keep = set(entry.all_keys) if entry else set()
             self.index.evict_to_budget(self.budget_bytes, keep)
         return CacheSaved(report)
 

@@ -7,8 +7,9 @@ shared system prompts) share files. A save keeps the conversation's chunks that
 its tokens still begin with and writes only the tokens after them: a turn
 appends its own tokens (cut at multiples of `chunk_tokens`, `grid_ends`), it
 never rewrites a chunk. Each chunk's row holds its span; the keys, recomputed
-over those spans, must match. Caches that cannot be chunked are saved whole
-(`app.engine.snapshots`).
+over those spans, must match. A cache with layers that cannot be cut along the
+token axis (sliding windows, recurrent state) keeps its other layers in such
+chunks and the rest in a checkpoint per turn (`app.engine.checkpoints`).
 
 Restoring reads the chunks a prompt can use, has each checked by its layers'
 codecs (app.engine.codecs), joins them once and trims to the usable prefix.
@@ -22,16 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 
-from app.engine import snapshots
+from app.engine import checkpoints, snapshots
 from app.engine.cache_keys import (
-    SNAPSHOT,
     chain_keys,
     grid_ends,
     kv_format,
     model_fingerprint,
-    snapshot_key,
     tokens_hash,
 )
 from app.engine.codecs import (
@@ -39,6 +38,7 @@ from app.engine.codecs import (
     ChunkManifest,
     LayerShape,
     check_layer,
+    chunk_classes,
     chunk_tensors,
     is_window_copy,
     read_classes,
@@ -49,21 +49,18 @@ from app.engine.codecs import (
 from app.engine.kvquant import tail_rows_at
 from app.engine.kvscheme import parse_format
 from app.engine.loading import LoadedModel
-from app.engine.stored_arrays import from_stored
+from app.engine.stored_arrays import from_stored, load_mlx
 from sessions.cachefiles import (
     CacheIndex,
     CacheRejected,
     ConversationCache,
     path_from_url,
     read_file,
+    tensor_names,
     write_file,
 )
 
 _MAX_WEIGHTS_HEADER = 64 * 1024 * 1024
-# Snapshots kept per conversation: the ends of its last turns. Each is a whole cache
-# (a hybrid model's attention layers included), so they are few: an edit further back
-# recomputes from the start.
-MAX_CHECKPOINTS = 4
 
 
 @dataclass(frozen=True)
@@ -99,40 +96,50 @@ class KVStore:
     def save(self, conversation_id: int, tokens: list[int], cache: list) -> SaveReport:
         started = time.perf_counter()
         if cache and tokens and not snapshots.is_chunkable(cache):
-            written, size = self._save_snapshot(conversation_id, tokens, cache)
-            return SaveReport(written, 1 - written, size, time.perf_counter() - started)
+            counts = checkpoints.save(self, conversation_id, tokens, cache)
+            return SaveReport(*counts, time.perf_counter() - started)
         live = kv_format(cache) if cache else None
         if live is None or not tokens or cache[0].offset != len(tokens):
             self.index.forget_conversation(conversation_id)
             return SaveReport()
         fmt = stored_format(live, self.sixteen_bit)
         previous = self.index.conversation(conversation_id)
+        keys, written, reused, size = self.write_chunks(previous, fmt, tokens, cache)
+        self.point_conversation(conversation_id, fmt, tokens, keys)
+        return SaveReport(written, reused, size, time.perf_counter() - started)
+
+    def write_chunks(
+        self, previous: ConversationCache | None, fmt: str, tokens: list[int], cache: list
+    ) -> tuple[list[str], int, int, int]:
+        """The chunks of `cache`'s layers that chunks hold (`chunk_classes`), in `fmt`:
+        those of the `previous` save that `tokens` still begin with are kept, the tokens
+        after them written. (keys in order, chunks written, chunks reused, bytes)."""
         ends = self._chunk_ends(previous, fmt, tokens)
         chunks = chain_keys(self.fingerprint, fmt, tokens, ends)
-        classes = tuple(type(layer).__name__ for layer in cache)
+        classes = chunk_classes(cache)
         written = size = 0
         existing = []
         continued = self._continued_tail(previous, chunks)
         for key, start, end in chunks:
-            if self._have(key) and key != continued:
+            windowless = end == len(tokens) and self._lacks_window(key, fmt, end)
+            if self.have(key) and key != continued and not windowless:
                 existing.append(key)
                 continue
             part = tokens_hash(tokens[start:end])
             manifest = ChunkManifest(
-                self.fingerprint, fmt, key, start, end, part, len(cache), classes
+                self.fingerprint, fmt, key, start, end, part, len(classes), classes
             )
             tensors = self._without_window(manifest) if key == continued else None
-            if tensors is not None:
+            if tensors is not None or windowless:
                 # Its row and file go first, as any chunk's do: a crash before the new
                 # file has its row leaves an orphan for gc, never a row of the old size.
                 self.index.delete_chunk(key)
-            else:
+            if tensors is None:
                 tensors = chunk_tensors(cache, start, end, stored_dtype(fmt))
-            size += self._write(manifest, tensors)
+            size += self.write(manifest, tensors)
             written += 1
         self.index.touch(existing)
-        self._point_conversation(conversation_id, fmt, tokens, [k for k, _, _ in chunks])
-        return SaveReport(written, len(existing), size, time.perf_counter() - started)
+        return [k for k, _, _ in chunks], written, len(existing), size
 
     def _continued_tail(self, entry: ConversationCache | None, chunks: list) -> str | None:
         """The last chunk of this conversation's previous save, when this save goes on
@@ -148,6 +155,16 @@ class KVStore:
         if not _holds_window(entry.kv_format, ends[last]):
             return None
         return None if self.index.ends_elsewhere(last, entry.conversation_id) else last
+
+    def _lacks_window(self, key: str, fmt: str, end: int) -> bool:
+        """Whether chunk `key`, saved and the last of this save at `end` tokens, lacks
+        the 16-bit copy of the recent rows a last chunk holds: another chat that went
+        on past it wrote it again without (`_continued_tail`). This chat ends there,
+        so it is written again with one, or a reopen reads those rows quantized."""
+        if not _holds_window(fmt, end) or not self.have(key):
+            return False
+        names = tensor_names(self.index.chunk_path(key))
+        return names is not None and not any(is_window_copy(name) for name in names)
 
     def _without_window(self, manifest: ChunkManifest) -> dict | None:
         """The chunk's tensors as its file holds them, less the window copy: the file's
@@ -170,13 +187,13 @@ class KVStore:
         if entry and entry.chunk_tokens and (entry.model_fingerprint, entry.kv_format) == ours:
             same = _common_prefix(entry.tokens, tokens)
             try:
-                kept = [end for _, _, end in self._saved_chunks(entry) if end <= same]
+                kept = [end for _, _, end in self.saved_chunks(entry) if end <= same]
             except CacheRejected:
                 kept = []  # a damaged index: write everything again
         start = kept[-1] if kept else 0
         return kept + grid_ends(start, len(tokens), self.chunk_tokens)
 
-    def _saved_chunks(self, entry: ConversationCache) -> list[tuple[str, int, int]]:
+    def saved_chunks(self, entry: ConversationCache) -> list[tuple[str, int, int]]:
         """(key, start, end) of the entry's chunks that are on the index, in order, up
         to the first evicted one; `CacheRejected` when their rows and the entry's
         tokens disagree (each key is recomputed over the spans its rows give)."""
@@ -197,43 +214,10 @@ class KVStore:
             raise CacheRejected("index does not match its tokens")
         return chunks
 
-    def _save_snapshot(
-        self, conversation_id: int, tokens: list[int], cache: list
-    ) -> tuple[int, int]:
-        """Non-chunkable caches: the whole cache in one file (`chunk_tokens` 0 marks it),
-        a checkpoint at the end of this turn. The conversation keeps the latest
-        checkpoints of earlier turns that its tokens still extend, so an edit or a
-        regenerate resumes from the one before the change."""
-        key = snapshot_key(self.fingerprint, tokens)
-        written = size = 0
-        if not self._have(key):
-            tensors, layout = snapshots.snapshot(cache)
-            manifest = ChunkManifest(
-                self.fingerprint, SNAPSHOT, key, 0, len(tokens), tokens_hash(tokens), len(cache)
-            )
-            size, written = self._write(manifest, tensors, {"layout": layout}), 1
-        prefix_keys = _PrefixKeys(self.fingerprint, tokens)
-        earlier = [
-            k
-            for k, end in self._checkpoints(conversation_id)
-            if end < len(tokens) and prefix_keys.get(end) == k
-        ]
-        keys = [*earlier[-(MAX_CHECKPOINTS - 1) :], key]
-        self._point_conversation(conversation_id, SNAPSHOT, tokens, keys, chunk_tokens=0)
-        return written, size
-
-    def _checkpoints(self, conversation_id: int) -> list[tuple[str, int]]:
-        """(key, token count) of the conversation's saved snapshots, oldest first."""
-        entry = self.index.conversation(conversation_id)
-        if entry is None or entry.kv_format != SNAPSHOT:
-            return []
-        rows = ((key, self.index.chunk(key)) for key in entry.chunk_keys)
-        return [(key, row["token_end"]) for key, row in rows if row]
-
-    def _have(self, key: str) -> bool:
+    def have(self, key: str) -> bool:
         return self.index.chunk(key) is not None and self.index.chunk_path(key).is_file()
 
-    def _write(self, manifest: ChunkManifest, tensors: dict, extra: dict | None = None) -> int:
+    def write(self, manifest: ChunkManifest, tensors: dict, extra: dict | None = None) -> int:
         """The file first, then its index row (a crash between leaves an orphan file)."""
         path = self.index.chunk_path(manifest.key)
         size = write_file(path, tensors, {**manifest.to_metadata(), **(extra or {})})
@@ -241,33 +225,43 @@ class KVStore:
         self.index.add_chunk(manifest.key, path, size, self.fingerprint, manifest.kv_format, *span)
         return size
 
-    def _point_conversation(
+    def point_conversation(
         self,
         conversation_id: int,
         fmt: str,
         tokens: list[int],
         keys: list[str],
-        chunk_tokens: int | None = None,
+        checkpoint_keys: list[str] = (),
     ) -> None:
+        """The conversation's cache is now these chunks and checkpoints; the files of its
+        previous save that nobody uses any more go (typically the old partial last
+        chunk, or a checkpoint of a branch left behind)."""
         previous = self.index.conversation(conversation_id)
-        chunk_tokens = self.chunk_tokens if chunk_tokens is None else chunk_tokens
-        self.index.set_conversation(
-            ConversationCache(
-                conversation_id, self.fingerprint, fmt, list(tokens), chunk_tokens, keys
-            )
+        entry = ConversationCache(
+            conversation_id,
+            self.fingerprint,
+            fmt,
+            list(tokens),
+            self.chunk_tokens if keys else 0,
+            keys,
+            checkpoint_keys=list(checkpoint_keys),
         )
-        if previous:  # typically the old partial last chunk, or the previous snapshot
-            self.index.release(set(previous.chunk_keys) - set(keys))
+        self.index.set_conversation(entry)
+        if previous:
+            self.index.release(set(previous.all_keys) - set(entry.all_keys))
 
     # -- restore -----------------------------------------------------------------
 
     def bytes_to_read(self, entry: ConversationCache, usable: int) -> int:
         """What restoring the first `usable` tokens of `entry` reads from disk."""
-        if entry.kv_format == SNAPSHOT:
-            picked = self._pick_checkpoint(entry, usable)
-            return picked[2]["bytes"] if picked else 0
+        if entry.checkpoint_keys:
+            return checkpoints.bytes_to_read(self, entry, usable)
+        return self.chunk_bytes(entry, usable)
+
+    def chunk_bytes(self, entry: ConversationCache, usable: int) -> int:
+        """The bytes of the chunks that hold the first `usable` tokens of `entry`."""
         try:
-            chunks = self._saved_chunks(entry)
+            chunks = self.saved_chunks(entry)
         except CacheRejected:
             return 0
         rows = (self.index.chunk(key) for key, start, _ in chunks if start < usable)
@@ -280,8 +274,8 @@ class KVStore:
             if entry.model_fingerprint != self.fingerprint:
                 raise CacheRejected("saved for a different model")
             checkpoint = None
-            if entry.kv_format == SNAPSHOT:
-                cache, restored, size, checkpoint = self._load_snapshot(entry, usable)
+            if entry.checkpoint_keys:
+                cache, restored, size, checkpoint = checkpoints.restore(self, entry, usable)
             else:
                 cache, restored, size = self._load_chunks(entry, usable)
         except CacheRejected as exc:
@@ -292,10 +286,19 @@ class KVStore:
     def _load_chunks(self, entry: ConversationCache, usable: int) -> tuple[list, int, int]:
         if usable <= 0:
             raise CacheRejected("nothing in common with the conversation")
-        chunks = self._saved_chunks(entry)
-        shapes = self._shapes
-        if None in shapes:
+        if None in self._shapes:
             raise CacheRejected("this model's cache layers are not chunked")
+        cache, restored, size = self.read_chunks(entry, usable)
+        if None in cache:
+            raise CacheRejected("the chunks do not hold every layer")
+        return cache, restored, size
+
+    def read_chunks(self, entry: ConversationCache, usable: int) -> tuple[list, int, int]:
+        """The layers `entry`'s chunks hold (None where they hold none) for its first
+        `usable` tokens, or fewer where a chunk was evicted; (layers, their token
+        count, bytes read). Each chunk is checked by its layers' codecs."""
+        chunks = self.saved_chunks(entry)
+        shapes = self._shapes
         pieces: list[dict[str, list]] = [{} for _ in shapes]
         classes, total, size = None, 0, 0
         for key, start, end in (c for c in chunks if c[1] < usable):
@@ -307,65 +310,48 @@ class KVStore:
                 self.fingerprint, entry.kv_format, key, start, end, part, len(shapes)
             )
             tensors, metadata = read_file(
-                path_from_url(row["url"], self.index.root), manifest.expected(), load=_load_mlx
+                path_from_url(row["url"], self.index.root), manifest.expected(), load=load_mlx
             )
             chunk_classes = read_classes(metadata, len(shapes))
             if classes not in (None, chunk_classes):
                 raise CacheRejected("chunks disagree on their layers' classes")
             classes = chunk_classes
-            for i, named in enumerate(split_layers(tensors, len(shapes))):
-                specs = CODECS[classes[i]].specs(shapes[i], entry.kv_format, start, end)
-                last = {name: p[-1] for name, p in pieces[i].items()}
-                check_layer(i, named, specs, last)
-                for name, array in named.items():
-                    pieces[i].setdefault(name, []).append(array)
+            self._add_chunk(pieces, tensors, classes, entry.kv_format, (start, end))
             total, size = end, size + row["bytes"]
         if not total:
             raise CacheRejected("cache files were evicted")
         self.index.touch([k for k, s, _ in chunks if s < total])
+        cache = self._built(classes, pieces, entry.kv_format, total - min(usable, total))
+        return cache, min(usable, total), size
+
+    def _add_chunk(
+        self, pieces: list[dict], tensors: dict, classes: list, fmt: str, span: tuple[int, int]
+    ) -> None:
+        """A chunk's tensors of tokens `span`, checked, appended to each layer's pieces."""
+        for i, named in enumerate(split_layers(tensors, len(pieces))):
+            if classes[i] is None:  # a layer a checkpoint holds
+                if named:
+                    raise CacheRejected(f"layer {i} has tensors its chunks do not hold")
+                continue
+            if self._shapes[i] is None:
+                raise CacheRejected(f"layer {i} of this model is not plain attention")
+            specs = CODECS[classes[i]].specs(self._shapes[i], fmt, *span)
+            check_layer(i, named, specs, {name: p[-1] for name, p in pieces[i].items()})
+            for name, array in named.items():
+                pieces[i].setdefault(name, []).append(array)
+
+    def _built(self, classes: list, pieces: list[dict], fmt: str, overshoot: int) -> list:
+        """Each chunked layer joined from its pieces, cut back by the `overshoot` tokens
+        its last chunk holds past the restore's end; None for the others."""
         cache = [
-            _join(CODECS[name], named, entry.kv_format, shape)
-            for name, named, shape in zip(classes, pieces, shapes, strict=True)
+            None if name is None else _join(CODECS[name], named, fmt, shape)
+            for name, named, shape in zip(classes, pieces, self._shapes, strict=True)
         ]
-        mx.eval([layer.state for layer in cache])
-        restored = min(usable, total)
-        if total > restored:
-            trim_prompt_cache(cache, total - restored)
-        return cache, restored, size
-
-    def _load_snapshot(self, entry: ConversationCache, usable: int) -> tuple[list, int, int, int]:
-        """The latest checkpoint within the first `usable` tokens; (cache, its token
-        count, bytes read, which checkpoint of the conversation's, from 1)."""
-        picked = self._pick_checkpoint(entry, usable)
-        if picked is None:
-            raise CacheRejected("the conversation changed before its first checkpoint")
-        number, key, row = picked
-        end = row["token_end"]
-        tokens = entry.tokens[:end]
-        template = make_prompt_cache(self.loaded.model)
-        manifest = ChunkManifest(
-            self.fingerprint, SNAPSHOT, key, 0, end, tokens_hash(tokens), len(template)
-        )
-        tensors, metadata = read_file(
-            path_from_url(row["url"], self.index.root), manifest.expected(), load=_load_mlx
-        )
-        cache = snapshots.restore(template, tensors, metadata.get("layout", ""))
-        mx.eval([layer.state for layer in cache])
-        self.index.touch([key])
-        return cache, end, row["bytes"], number
-
-    def _pick_checkpoint(self, entry: ConversationCache, usable: int) -> tuple | None:
-        """(number from 1, key, row) of the latest saved checkpoint that ends within
-        the first `usable` tokens and whose key is theirs; None when there is none."""
-        prefix_keys = _PrefixKeys(self.fingerprint, entry.tokens)
-        for number in range(len(entry.chunk_keys), 0, -1):
-            key = entry.chunk_keys[number - 1]
-            row = self.index.chunk(key)
-            if row is None or not 0 < row["token_end"] <= min(usable, len(entry.tokens)):
-                continue  # evicted, or past the change
-            if prefix_keys.get(row["token_end"]) == key:
-                return number, key, row
-        return None
+        built = [layer for layer in cache if layer is not None]
+        mx.eval([layer.state for layer in built])
+        if overshoot:
+            trim_prompt_cache(built, overshoot)
+        return cache
 
 
 def _holds_window(fmt: str, end: int) -> bool:
@@ -375,18 +361,6 @@ def _holds_window(fmt: str, end: int) -> bool:
         return tail_rows_at(end, parse_format(fmt)) > 0
     except ValueError:
         return False
-
-
-class _PrefixKeys:
-    """The snapshot keys of prefixes of `tokens`, by length, computed when asked."""
-
-    def __init__(self, fingerprint: str, tokens: list[int]) -> None:
-        self.fingerprint, self.tokens, self._keys = fingerprint, tokens, {}
-
-    def get(self, end: int) -> str:
-        if end not in self._keys:
-            self._keys[end] = snapshot_key(self.fingerprint, self.tokens[:end])
-        return self._keys[end]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -421,10 +395,3 @@ def sixteen_bit_type(model_dir: Path) -> str | None:
     if not any(counts.values()):
         return None
     return "float16" if counts["F16"] >= counts["BF16"] else "bfloat16"
-
-
-def _load_mlx(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Read a chunk file straight into mlx memory (cheaper here than fresh numpy buffers)."""
-    tensors, metadata = mx.load(str(path), return_metadata=True)
-    mx.eval(list(tensors.values()))
-    return tensors, metadata

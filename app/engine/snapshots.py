@@ -1,13 +1,14 @@
-"""Whole-cache snapshots for models whose cache cannot be cut into chunks.
+"""Snapshots of the cache layers that cannot be cut into chunks: the checkpoint file.
 
 Sliding-window layers (`RotatingKVCache`) overwrite old positions and
 recurrent layers (`ArraysCache`) hold a running state, so neither can be split
-along the token axis. Such caches are saved whole after each turn (a message
-boundary), with the same checks as chunks. Each snapshot is a checkpoint: a
-turn restores the latest one whose tokens are a prefix of its prompt (the last
-turn's end when the conversation only grew, an earlier one after an edit or a
-regenerate; kvstore keeps them) and prefills the rest. A CacheList's parts
-are saved and restored each in its place.
+along the token axis. Their state is saved after each turn (a message
+boundary), with the same checks as chunks; the cache's full-attention layers,
+which token chunks hold (app.engine.checkpoints), are only named in the layout
+("in_chunks"), and come back from the chunks into their places. A CacheList's
+parts are saved and restored each in its place; a part's slot counts as
+`cache_keys.cache_parts` does. A snapshot with no "in_chunks" layer is a whole
+cache (as every snapshot was before checkpoints).
 
 A layer's `state` is a tuple of arrays, tuples of arrays and plain values; the
 layout in the file's metadata records which is which. Restoring sets the state
@@ -18,6 +19,8 @@ the file's class names must match the model's.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -30,6 +33,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from app.engine.cache_keys import cache_parts
 from app.engine.kvchunked import ChunkedMixedKVCache
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import SIXTEEN_BIT
@@ -50,12 +54,16 @@ SNAPSHOT_CLASSES = {
     "CacheList": CacheList,
 }
 _QUANTIZABLE = (KVCache, RotatingKVCache)
+# Classes a checkpoint may leave to token chunks (the codecs' classes, app.engine.codecs).
+_IN_CHUNKS = ("KVCache", "MixedKVCache")
 # Sizes a layer takes from the model's config: a snapshot must agree with them.
 _MODEL_SIZES = ("max_size", "keep", "chunk_size")
 # Layers whose state names their KV format (a string, parsed by their own setter).
 _NAMES_FORMAT = ("MixedKVCache", "ChunkedMixedKVCache")
 # Layers whose first state item is their keys, one array per head and token.
 _ATTENTION = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache")
+# Layers whose first two state items are their keys and values, plain arrays.
+_WINDOWS = ("RotatingKVCache", "ChunkedKVCache")
 
 
 def is_chunkable(cache: list) -> bool:
@@ -89,42 +97,90 @@ def _used_state(layer) -> tuple | list:
     return layer.state
 
 
-def _layer_layout(layer, prefix: str, tensors: dict[str, np.ndarray]) -> dict:
-    """One layer's layout entry, its arrays added to `tensors` under `prefix`."""
+@dataclass
+class _Saving:
+    """What a snapshot being written needs as it walks the layers."""
+
+    tensors: dict[str, np.ndarray]
+    slots: Iterator[int]  # each part's slot, counted as `cache_parts` does
+    in_chunks: set[int]  # the slots token chunks hold
+    store_as: mx.Dtype | None  # the 16-bit type float32 windows are saved in
+
+
+def _layer_layout(layer, prefix: str, saving: _Saving) -> dict:
+    """One layer's layout entry, its arrays added to `saving.tensors` under `prefix`; a
+    part whose slot is `in_chunks` is only named: token chunks hold it."""
     if type(layer) is CacheList:
-        parts = [_layer_layout(p, f"{prefix}.{m}", tensors) for m, p in enumerate(layer.caches)]
+        parts = [_layer_layout(p, f"{prefix}.{m}", saving) for m, p in enumerate(layer.caches)]
         return {"class": "CacheList", "parts": parts}
-    items = []
-    for n, item in enumerate(_used_state(layer)):
-        name = f"{prefix}.{n}"
-        if isinstance(item, mx.array):
-            tensors[name] = to_numpy(item)
-            items.append(["array", name])
-        elif isinstance(item, tuple | list) and any(isinstance(a, mx.array) for a in item):
-            names = []
-            for m, array in enumerate(item):  # an ArraysCache slot may still be empty
-                if array is None:
-                    names.append(None)
-                elif isinstance(array, mx.array):
-                    tensors[f"{name}.{m}"] = to_numpy(array)
-                    names.append(f"{name}.{m}")
-                else:
-                    raise TypeError(f"cannot snapshot {type(layer).__name__} item {type(array)}")
-            items.append(["arrays", names])
-        elif item is None or isinstance(item, int | float | str | bool):
-            items.append(["value", item])
-        elif isinstance(item, tuple | list) and all(a is None for a in item):
-            items.append(["arrays", [None] * len(item)])
+    name = type(layer).__name__
+    if next(saving.slots) in saving.in_chunks:
+        return {"class": name, "in_chunks": True}
+    state = _used_state(layer)
+    narrowed = _narrowed(name, state, saving.store_as)
+    items = [_item(item, f"{prefix}.{n}", name, saving.tensors) for n, item in enumerate(narrowed)]
+    if narrowed is not state:  # say so, and the restore computes in float32 again
+        return {"class": name, "items": items, "computed_in": "float32"}
+    return {"class": name, "items": items}
+
+
+def _narrowed(name: str, state, store_as: mx.Dtype | None):
+    """A window's state with its float32 keys and values in `store_as`: as chunks
+    hold a float32 cache of a 16-bit model (`codecs.stored_format`), half the bytes."""
+    if store_as is None or name not in _WINDOWS or not isinstance(state[0], mx.array):
+        return state
+    if state[0].dtype != mx.float32:
+        return state
+    return (state[0].astype(store_as), state[1].astype(store_as), *state[2:])
+
+
+def _item(item, name: str, layer: str, tensors: dict[str, np.ndarray]) -> list:
+    """One state item's layout entry, its arrays added to `tensors` under `name`."""
+    if isinstance(item, mx.array):
+        tensors[name] = to_numpy(item)
+        return ["array", name]
+    if isinstance(item, tuple | list) and any(isinstance(a, mx.array) for a in item):
+        names = []
+        for m, array in enumerate(item):  # an ArraysCache slot may still be empty
+            if array is None:
+                names.append(None)
+            elif isinstance(array, mx.array):
+                tensors[f"{name}.{m}"] = to_numpy(array)
+                names.append(f"{name}.{m}")
+            else:
+                raise TypeError(f"cannot snapshot {layer} item {type(array)}")
+        return ["arrays", names]
+    if item is None or isinstance(item, int | float | str | bool):
+        return ["value", item]
+    if isinstance(item, tuple | list) and all(a is None for a in item):
+        return ["arrays", [None] * len(item)]
+    raise TypeError(f"cannot snapshot {layer} state item {type(item)}")
+
+
+def snapshot(
+    cache: list, in_chunks: Collection[int] = (), store_as: mx.Dtype | None = None
+) -> tuple[dict[str, np.ndarray], str]:
+    """The cache's tensors by name, and the JSON layout that puts them back; the parts
+    whose slots are `in_chunks` (token chunks hold them) are named, not saved, and
+    float32 windows are saved in `store_as` when given."""
+    saving = _Saving({}, iter(range(len(cache_parts(cache)))), set(in_chunks), store_as)
+    layout = [_layer_layout(layer, str(i), saving) for i, layer in enumerate(cache)]
+    return saving.tensors, json.dumps(layout)
+
+
+def put_part(cache: list, slot: int, part) -> None:
+    """Put `part` in `cache` at `slot` (counted as `cache_parts` does)."""
+    for i, layer in enumerate(cache):
+        count = len(getattr(layer, "caches", (layer,)))
+        if slot >= count:
+            slot -= count
+        elif type(layer) is CacheList:
+            layer.caches = (*layer.caches[:slot], part, *layer.caches[slot + 1 :])
+            return
         else:
-            raise TypeError(f"cannot snapshot {type(layer).__name__} state item {type(item)}")
-    return {"class": type(layer).__name__, "items": items}
-
-
-def snapshot(cache: list) -> tuple[dict[str, np.ndarray], str]:
-    """The cache's tensors by name, and the JSON layout that puts them back."""
-    tensors: dict[str, np.ndarray] = {}
-    layout = [_layer_layout(layer, str(i), tensors) for i, layer in enumerate(cache)]
-    return tensors, json.dumps(layout)
+            cache[i] = part
+            return
+    raise IndexError("no such slot")
 
 
 def _array(tensors: dict[str, mx.array], name: str) -> mx.array:
@@ -135,25 +191,60 @@ def _array(tensors: dict[str, mx.array], name: str) -> mx.array:
 
 
 def restore(template: list, tensors: dict[str, mx.array], layout_json: str) -> list:
-    """Put a snapshot back into the model's fresh cache objects `template`."""
+    """Put a whole snapshot back into the model's fresh cache objects `template`."""
+    cache, in_chunks = restore_checkpoint(template, tensors, layout_json)
+    if in_chunks:
+        raise CacheRejected("a snapshot that leaves layers to token chunks")
+    return cache
+
+
+def restore_checkpoint(
+    template: list, tensors: dict[str, mx.array], layout_json: str
+) -> tuple[list, dict[int, str]]:
+    """Put a checkpoint back into the model's fresh cache objects `template`; the parts
+    token chunks hold stay fresh, and come back as {slot: class the layout names}."""
     try:
         layout = json.loads(layout_json)
     except ValueError as exc:
         raise CacheRejected("unreadable snapshot layout") from exc
     if not isinstance(layout, list) or len(layout) != len(template):
         raise CacheRejected("layer count does not match the model")
-    used: set[str] = set()
-    cache = [
-        _restore_layer(layer, spec, tensors, used)
-        for layer, spec in zip(template, layout, strict=True)
-    ]
-    if used != set(tensors):
+    restored = _Restored(tensors)
+    cache = [restored.layer(layer, spec) for layer, spec in zip(template, layout, strict=True)]
+    if restored.used != set(tensors):
         raise CacheRejected("tensor count does not match the layout")
-    return cache
+    return cache, restored.in_chunks
 
 
-def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
-    name = spec.get("class") if isinstance(spec, dict) else None
+class _Restored:
+    """What a checkpoint restore has met so far: tensors used, parts left to chunks."""
+
+    def __init__(self, tensors: dict[str, mx.array]) -> None:
+        self.tensors, self.used = tensors, set()
+        self.in_chunks: dict[int, str] = {}
+        self.slot = 0
+
+    def layer(self, layer, spec):
+        """`layer` (the model's fresh one) as `spec` has it, a CacheList's parts each."""
+        name = spec.get("class") if isinstance(spec, dict) else None
+        if name == "CacheList" and type(layer) is CacheList:
+            parts = spec.get("parts")
+            if not isinstance(parts, list) or len(parts) != len(layer.caches):
+                raise CacheRejected("a CacheList layer with the wrong number of parts")
+            layer.caches = tuple(self.layer(p, s) for p, s in zip(layer.caches, parts, strict=True))
+            return layer
+        slot, self.slot = self.slot, self.slot + 1
+        if isinstance(spec, dict) and spec.get("in_chunks") is True:
+            # Chunks hold only full-attention layers, and the fresh model layer is one.
+            if name not in _IN_CHUNKS or type(layer) is not KVCache:
+                raise CacheRejected(f"a {name} layer left to chunks where the model has none")
+            self.in_chunks[slot] = name
+            return layer
+        return _restore_layer(layer, name, spec, self.tensors, self.used)
+
+
+def _restore_layer(layer, name, spec: dict, tensors: dict[str, mx.array], used: set[str]):
+    """One part (never a CacheList) put back into the model's fresh `layer`."""
     sizes = {"max_size": None} | {k: getattr(layer, k) for k in _MODEL_SIZES if hasattr(layer, k)}
     if name not in SNAPSHOT_CLASSES:
         raise CacheRejected(f"unknown cache class {name!r}")
@@ -165,14 +256,6 @@ def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
         layer = ChunkedMixedKVCache(SIXTEEN_BIT, layer.chunk_size)  # and its chunk size
     elif name != type(layer).__name__:
         raise CacheRejected(f"a {name} layer where the model has {type(layer).__name__}")
-    if name == "CacheList":
-        parts = spec.get("parts")
-        if not isinstance(parts, list) or len(parts) != len(layer.caches):
-            raise CacheRejected("a CacheList layer with the wrong number of parts")
-        layer.caches = tuple(
-            _restore_layer(p, s, tensors, used) for p, s in zip(layer.caches, parts, strict=True)
-        )
-        return layer
     state = _state_items(spec.get("items"), tensors, used, text=name in _NAMES_FORMAT)
     if name in _ATTENTION:
         keys = state[0][0] if isinstance(state[0], tuple) else state[0]
@@ -180,6 +263,8 @@ def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
             raise CacheRejected(
                 f"a {name} layer with the wrong keys {getattr(keys, 'shape', keys)}"
             )
+    if "computed_in" in spec:
+        state = _widened(name, state, spec["computed_in"])
     if name == "ArraysCache":
         slots = state[0] if state else None
         if not isinstance(slots, tuple) or len(slots) != len(layer.cache):
@@ -193,6 +278,15 @@ def _restore_layer(layer, spec, tensors: dict[str, mx.array], used: set[str]):
         if getattr(layer, size, None) != value:
             raise CacheRejected(f"a {name} layer with another {size} than the model's")
     return layer
+
+
+def _widened(name: str, state: list, computed_in: object) -> list:
+    """A window saved in 16 bits (`_narrowed`) back in float32, the type it computes in."""
+    if computed_in != "float32" or name not in _WINDOWS:
+        raise CacheRejected(f"a {name} layer computed in {computed_in!r}")
+    if not all(isinstance(a, mx.array) and a.dtype != mx.float32 for a in state[:2]):
+        raise CacheRejected(f"a {name} layer whose 16-bit keys are not")
+    return [state[0].astype(mx.float32), state[1].astype(mx.float32), *state[2:]]
 
 
 def _state_items(items, tensors: dict[str, mx.array], used: set[str], text: bool) -> list:

@@ -7,6 +7,8 @@ dtypes a KV cache can hold are accepted from a file.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 
@@ -28,3 +30,10 @@ def check_dtype(dtype: mx.Dtype, name: str = "a tensor") -> None:
 
 def from_stored(array: mx.array) -> mx.array:
     return array.view(mx.bfloat16) if array.dtype == mx.uint16 else array
+
+
+def load_mlx(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Read a cache file straight into mlx memory (cheaper here than fresh numpy buffers)."""
+    tensors, metadata = mx.load(str(path), return_metadata=True)
+    mx.eval(list(tensors.values()))
+    return tensors, metadata

@@ -242,7 +242,7 @@ class ChatService:
             if self.engine is not None:
                 self.engine.forget(conversation_id)
             if entry is not None:  # now, not at the next gc: they are known to be its own
-                self.index.release(set(entry.chunk_keys))
+                self.index.release(set(entry.all_keys))
             self.index.collect_garbage()
 
     # -- caches -----------------------------------------------------------------------

@@ -1,0 +1,191 @@
+"""Saving and restoring caches that cannot be cut along the token axis as a whole.
+
+Sliding-window layers (`RotatingKVCache`) overwrite old positions and recurrent
+layers (`ArraysCache`) hold a running state: neither can be cut into chunks. A
+cache with such layers is saved in two parts:
+
+- its full-attention layers (those a codec holds, `codecs.chunk_classes`) go
+  into token chunks exactly as a plain model's whole cache does (kvstore): a
+  turn writes only its own tokens, and branches share what they share;
+- the other layers go into a checkpoint at the end of each turn (a snapshot,
+  `app.engine.snapshots`, that names the chunked layers "in_chunks"), whose
+  size follows the windows and states, not the history.
+
+The conversation's entry lists both (`chunk_keys`, `checkpoint_keys`); its
+`kv_format` is the chunks' (SNAPSHOT when there are none: a model of sliding
+windows alone, or a whole snapshot saved before chunks). A turn restores the
+latest checkpoint whose tokens begin its prompt (an earlier one after an edit
+or a regenerate) with the chunks of the tokens before it, trimmed to them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from app.engine import snapshots
+from app.engine.cache_keys import SNAPSHOT, cache_parts, checkpoint_key, kv_format, tokens_hash
+from app.engine.codecs import ChunkManifest, chunk_classes, stored_dtype, stored_format
+from app.engine.stored_arrays import load_mlx
+from sessions.cachefiles import CacheRejected, ConversationCache, path_from_url, read_file
+
+if TYPE_CHECKING:
+    from app.engine.kvstore import KVStore
+
+# Checkpoints kept per conversation: the ends of its last turns, so that an edit or a
+# regenerate resumes from the one before the change; an edit further back recomputes.
+MAX_CHECKPOINTS = 4
+
+
+def chunk_format(cache: list, sixteen_bit: str | None) -> str | None:
+    """The format the cache's chunked layers are saved in; None when it has none, or
+    when they differ (then the checkpoint holds every layer)."""
+    parts = cache_parts(cache)
+    held = [part for part, name in zip(parts, chunk_classes(cache), strict=True) if name]
+    live = kv_format(held) if held else None
+    return stored_format(live, sixteen_bit) if live else None
+
+
+def _window_type(sixteen_bit: str | None) -> mx.Dtype | None:
+    """The 16-bit type a float32 window is saved in: the model's own, as its chunks are
+    (`stored_format`); None for a model of float32 weights."""
+    fmt = stored_format("float32", sixteen_bit)
+    return None if fmt == "float32" else stored_dtype(fmt)
+
+
+def save(
+    store: KVStore, conversation_id: int, tokens: list[int], cache: list
+) -> tuple[int, int, int]:
+    """Chunks for the new tokens of the chunked layers, and a checkpoint of the others
+    at the end of `tokens`; (files written, files reused, bytes written)."""
+    fmt = chunk_format(cache, store.sixteen_bit)
+    slots = [i for i, name in enumerate(chunk_classes(cache)) if name] if fmt else []
+    parts = cache_parts(cache)
+    if any(parts[i].offset != len(tokens) for i in slots):
+        store.index.forget_conversation(conversation_id)
+        return 0, 0, 0
+    previous = store.index.conversation(conversation_id)
+    keys, written, reused, size = [], 0, 0, 0
+    if slots:
+        keys, written, reused, size = store.write_chunks(previous, fmt, tokens, cache)
+    fmt = fmt or SNAPSHOT
+    key = checkpoint_key(store.fingerprint, fmt, tokens)
+    if store.have(key):
+        reused += 1
+    else:
+        tensors, layout = snapshots.snapshot(cache, slots, _window_type(store.sixteen_bit))
+        manifest = ChunkManifest(
+            store.fingerprint, SNAPSHOT, key, 0, len(tokens), tokens_hash(tokens), len(cache)
+        )
+        size += store.write(manifest, tensors, {"layout": layout})
+        written += 1
+    earlier = _earlier_checkpoints(store, previous, fmt, tokens)
+    kept = [*earlier[-(MAX_CHECKPOINTS - 1) :], key]
+    store.point_conversation(conversation_id, fmt, tokens, keys, kept)
+    return written, reused, size
+
+
+def _earlier_checkpoints(
+    store: KVStore, previous: ConversationCache | None, fmt: str, tokens: list[int]
+) -> list[str]:
+    """The previous save's checkpoints, oldest first, that `tokens` still extend and
+    whose chunks are in `fmt` (a changed KV preference leaves none)."""
+    if previous is None:
+        return []
+    prefix_keys = _PrefixKeys(store.fingerprint, fmt, tokens)
+    kept = []
+    for key in previous.checkpoint_keys:
+        row = store.index.chunk(key)
+        if row and row["token_end"] < len(tokens) and prefix_keys.get(row["token_end"]) == key:
+            kept.append(key)
+    return kept
+
+
+def bytes_to_read(store: KVStore, entry: ConversationCache, usable: int) -> int:
+    """What restoring the first `usable` tokens of `entry` reads: its checkpoint, and
+    the chunks of the tokens before it."""
+    try:
+        picked = pick(store, entry, usable)
+    except CacheRejected:
+        return 0
+    if picked is None:
+        return 0
+    _, _, row = picked
+    chunks = store.chunk_bytes(entry, row["token_end"]) if entry.chunk_keys else 0
+    return row["bytes"] + chunks
+
+
+def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list, int, int, int]:
+    """The latest checkpoint within the first `usable` tokens, its chunked layers put
+    back in their places; (cache, its token count, bytes read, which checkpoint of
+    the conversation's, from 1)."""
+    picked = pick(store, entry, usable)
+    if picked is None:
+        raise CacheRejected("the conversation changed before its first checkpoint")
+    number, key, row = picked
+    end = row["token_end"]
+    template = make_prompt_cache(store.loaded.model)
+    manifest = ChunkManifest(
+        store.fingerprint, SNAPSHOT, key, 0, end, tokens_hash(entry.tokens[:end]), len(template)
+    )
+    tensors, metadata = read_file(
+        path_from_url(row["url"], store.index.root), manifest.expected(), load=load_mlx
+    )
+    cache, in_chunks = snapshots.restore_checkpoint(template, tensors, metadata.get("layout", ""))
+    size = row["bytes"]
+    if in_chunks:
+        size += _put_chunked_layers(store, entry, end, cache, in_chunks)
+    mx.eval([layer.state for layer in cache])
+    store.index.touch([key])
+    return cache, end, size, number
+
+
+def _put_chunked_layers(
+    store: KVStore, entry: ConversationCache, end: int, cache: list, in_chunks: dict[int, str]
+) -> int:
+    """Put the layers the checkpoint leaves to chunks, read for tokens [0, end), in
+    their places in `cache`; the bytes read."""
+    if entry.kv_format == SNAPSHOT or not entry.chunk_keys:
+        raise CacheRejected("a checkpoint whose chunks were not saved")
+    layers, restored, size = store.read_chunks(entry, end)
+    if restored != end:
+        raise CacheRejected("cache files were evicted")
+    held = {slot: type(layer).__name__ for slot, layer in enumerate(layers) if layer is not None}
+    if held != in_chunks:
+        raise CacheRejected("the chunks and the checkpoint disagree on the layers")
+    for slot in held:
+        snapshots.put_part(cache, slot, layers[slot])
+    return size
+
+
+def pick(store: KVStore, entry: ConversationCache, usable: int) -> tuple | None:
+    """(number from 1, key, row) of the latest saved checkpoint that ends within the
+    first `usable` tokens, before any evicted chunk, and whose key is theirs; None
+    when there is none, `CacheRejected` when the chunks' rows are damaged."""
+    limit = min(usable, len(entry.tokens))
+    if entry.chunk_keys:
+        chunks = store.saved_chunks(entry)
+        limit = min(limit, chunks[-1][2] if chunks else 0)
+    prefix_keys = _PrefixKeys(store.fingerprint, entry.kv_format, entry.tokens)
+    for number in range(len(entry.checkpoint_keys), 0, -1):
+        key = entry.checkpoint_keys[number - 1]
+        row = store.index.chunk(key)
+        if row is None or not 0 < row["token_end"] <= limit:
+            continue  # evicted, or past the change
+        if prefix_keys.get(row["token_end"]) == key:
+            return number, key, row
+    return None
+
+
+class _PrefixKeys:
+    """The checkpoint keys of prefixes of `tokens`, by length, computed when asked."""
+
+    def __init__(self, fingerprint: str, fmt: str, tokens: list[int]) -> None:
+        self.fingerprint, self.fmt, self.tokens, self._keys = fingerprint, fmt, tokens, {}
+
+    def get(self, end: int) -> str:
+        if end not in self._keys:
+            self._keys[end] = checkpoint_key(self.fingerprint, self.fmt, self.tokens[:end])
+        return self._keys[end]
