@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
@@ -237,3 +239,55 @@ def test_a_maximum_context_caps_the_reply_and_refuses_longer_prompts(tiny_model)
     assert finished.stats.generated_tokens == 5 and finished.stats.finish_reason == "length"
     with pytest.raises(ContextFull, match="raise the maximum context"):
         list(ChatSession(tiny_model).reply(messages, max_context=prompt_tokens))
+
+
+class CountingModel:
+    """The model, noting how many tokens each call feeds."""
+
+    def __init__(self, model, fed: list[int]) -> None:
+        self.model, self.fed = model, fed
+
+    def __call__(self, inputs, *args, **kwargs):
+        self.fed.append(inputs.shape[1])
+        return self.model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def follow_up(session, before_second_turn=lambda: None) -> TurnFinished:
+    messages = [{"role": "user", "content": "hello there"}]
+    first, _ = run(session, messages, sampling=GREEDY)
+    messages += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "and then?"},
+    ]
+    before_second_turn()
+    return run(session, messages, sampling=GREEDY)[0]
+
+
+def test_a_short_message_is_one_pass_over_the_weights_before_its_first_token(
+    tiny_model, monkeypatch
+):
+    """A follow-up's new tokens go through the model in the call that gives the first
+    token: one pass over the weights, not a prefill pass and then a decode pass. The
+    reply is the one the two-pass path gives."""
+    fed: list[int] = []
+    session = ChatSession(replace(tiny_model, model=CountingModel(tiny_model.model, fed)))
+    finished = follow_up(session, before_second_turn=fed.clear)
+    new = finished.stats.prefilled_tokens
+    assert 1 < new <= steps_module.SHORT_PROMPT
+    assert fed == [new] + [1] * finished.stats.generated_tokens
+
+    monkeypatch.setattr(steps_module, "SHORT_PROMPT", 0)  # the two-pass path
+    assert follow_up(ChatSession(tiny_model)).text == finished.text
+
+
+def test_a_long_prompt_is_prefilled_without_logits_then_fed_its_last_token(tiny_model):
+    fed: list[int] = []
+    session = ChatSession(replace(tiny_model, model=CountingModel(tiny_model.model, fed)))
+    finished, _ = run(session, [{"role": "user", "content": "words " * 60}], sampling=GREEDY)
+    generated = finished.stats.generated_tokens
+    assert finished.stats.prefilled_tokens > steps_module.SHORT_PROMPT
+    assert sum(fed[:-generated]) == finished.stats.prefilled_tokens
+    assert fed[-generated - 1 :] == [1] * (generated + 1)

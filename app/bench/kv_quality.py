@@ -141,7 +141,7 @@ def measure(
     # The loop check decodes as the app does: its own decode step, greedy.
     generated: list[int] = []
     next_token = steps.make_next_token(model, cache, GREEDY, after, generated)
-    for token in islice(steps.decode(next_token, continuation[-1]), LOOP_TOKENS):
+    for token in islice(steps.decode(next_token, continuation[-1:]), LOOP_TOKENS):
         generated.append(token)
     row = Row(
         mode=mode.name,

@@ -32,7 +32,13 @@ from app.engine.kvconvert import quantizer
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import scheme_for
 from app.engine.loading import LoadedModel
-from app.engine.steps import decode, make_next_token, prefill, reusable_prefix
+from app.engine.steps import (
+    decode,
+    first_call_tokens,
+    make_next_token,
+    prefill,
+    reusable_prefix,
+)
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
 Event = TextDelta | PromptProgress | TurnFinished
@@ -174,7 +180,8 @@ class ChatSession:
         quantize = self._quantizer(kv)
         with mx.stream(generation_stream):
             yield PromptProgress(0, len(remaining))
-            for done in prefill(self.loaded.model, self.cache, remaining[:-1], quantize):
+            tail = first_call_tokens(remaining)
+            for done in prefill(self.loaded.model, self.cache, remaining[:-tail], quantize):
                 self.tokens = list(prompt[: turn.reused + done])
                 yield PromptProgress(done, len(remaining))
                 if should_stop():
@@ -185,18 +192,23 @@ class ChatSession:
                 self.loaded.model, self.cache, sampling, quantize, self.tokens
             )
             text, reason = yield from self._decode(
-                turn, next_token, min(sampling.max_tokens, room), should_stop
+                turn, next_token, remaining[-tail:], min(sampling.max_tokens, room), should_stop
             )
         yield self._finish(turn, text, reason)
 
     def _decode(
-        self, turn: _Turn, next_token, limit: int, should_stop: Callable[[], bool]
+        self,
+        turn: _Turn,
+        next_token,
+        prompt_tail: list[int],
+        limit: int,
+        should_stop: Callable[[], bool],
     ) -> Iterator[Event]:
         """Stream text until an end token, `limit` tokens or Stop; returns (text, reason)."""
         detokenizer = self.loaded.tokenizer.detokenizer  # a fresh copy
         eos = set(self.loaded.tokenizer.eos_token_ids)
         reason = "length"
-        tokens = decode(next_token, self.tokens[-1])
+        tokens = decode(next_token, prompt_tail)
         for token in tokens:
             self.tokens.append(token)
             turn.generated += 1
