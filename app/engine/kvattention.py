@@ -31,11 +31,12 @@ and [q, n) the 16-bit tail (sink and tail are one 16-bit buffer, "exact"):
   query is rotated for the bulk instead of un-rotating the cache. On CUDA this
   is one kernel of ours plus a merge (app/engine/kvkernels.py: mlx's
   `quantized_matmul` there is wrong when the group size equals the head size
-  and slow for the values product); on the CPU, products with the codes as
-  floats and the scales and biases applied to their results (`cpu_decode`:
-  mlx's CPU quantized matmul is scalar code, and widening the bulk first cost
-  4x the 16-bit attention); elsewhere `mx.quantized_matmul` (Metal: not
-  measured here, no Mac).
+  and slow for the values product); on the CPU, numpy on views of the packed
+  buffers, products with the codes as floats and the scales and biases applied
+  to their results (`cpu_decode`, app/engine/kvcpu.py: mlx's CPU quantized
+  matmul is scalar code, widening the bulk first cost 4x the 16-bit attention,
+  and the same products as an mlx graph 2.5x); elsewhere `mx.quantized_matmul`
+  (Metal: not measured here, no Mac).
 - prefill and masked calls: the bulk dequantized once for all queries (a
   temporary of one layer), the exact rows put in place by a concatenation,
   then `mx.fast.scaled_dot_product_attention`.
