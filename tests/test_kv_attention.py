@@ -166,11 +166,15 @@ def test_on_the_cpu_a_bulk_of_many_blocks_and_16_bit_halves_match_the_oracle(
     monkeypatch, dim, heads, kv_heads
 ):
     """`kvcpu` widens the bulk a block at a time: many small blocks (with a partial
-    last one) give what one does, and a half kept in 16 bits is read as such."""
+    last one) give what one does, a half kept in 16 bits is read as such, and a
+    layer without a sink or window can hold no 16-bit row at all (224 = 7 x FLUSH)."""
     monkeypatch.setattr(kvcpu, "_BLOCK_BYTES", 4 * dim * 24)
     mixed = [KVScheme(8, None, 64, sink=4, window=16), KVScheme(None, 4, 32, 4, 16, True)]
-    for scheme in [*schemes(dim), *mixed]:
-        layer = filled(scheme, kv_heads, dim, mx.float32, tokens=(200, 9))
+    for scheme, tokens in [
+        *((scheme, (200, 9)) for scheme in [*schemes(dim), *mixed]),
+        (KVScheme(8, 4, 32), (200, 24)),
+    ]:
+        layer = filled(scheme, kv_heads, dim, mx.float32, tokens=tokens)
         queries = mx.random.normal((1, heads, 1, dim), key=mx.random.key(5))
         got = layer.attend(queries, dim**-0.5, None)
         assert close(got, oracle(layer, queries)), scheme.format

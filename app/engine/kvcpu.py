@@ -65,7 +65,7 @@ def _rows(store, start: int = 0, end: int | None = None) -> list[np.ndarray]:
     KV heads, tokens, width): only the token axis is sliced, so the merge is a view."""
     span = store.span(start, end)
     views = (np.asarray(buffer)[:, :, span] for buffer in store.buffers)
-    return [view.reshape(-1, *view.shape[2:]) for view in views]
+    return [view.reshape(view.shape[0] * view.shape[1], *view.shape[2:]) for view in views]
 
 
 def _widen_half(h: np.ndarray) -> np.ndarray:
