@@ -186,6 +186,14 @@ def _add_bench_commands(commands) -> None:
         "--attention", action="store_true", help="also time each step's attention alone"
     )
     speed.add_argument("--json", action="store_true")
+    decode = bench_commands.add_parser(
+        "kv-decode", help="decode speed of the app's 8-bit and 4-bit KV caches, interleaved"
+    )
+    decode.add_argument("--model", help="model name or folder (default: the starter model)")
+    decode.add_argument("--tokens", type=int, default=2048, help="context before the steps")
+    decode.add_argument("--steps", type=int, default=64, help="decode steps timed per mode")
+    decode.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    decode.add_argument("--json", action="store_true")
     ui = bench_commands.add_parser("ui", help="the window offscreen: first paint, streaming")
     ui.add_argument("--json", action="store_true")
 
@@ -244,6 +252,10 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench import kv_speed
 
         return kv_speed.main(args)
+    if args.bench_command == "kv-decode":
+        from app.bench import kv_decode
+
+        return kv_decode.main(args)
     if args.bench_command == "ui":
         from app.bench import ui
 

@@ -172,6 +172,19 @@ def test_bench_kv_prints_one_row_per_mode_side_by_side(tiny_model_dir, tmp_path)
     assert result["app_modes"] == {"4-bit": "k4v4 hadamard sink+window128"}
 
 
+def test_bench_kv_decode_interleaves_16_bit_and_the_app_modes(tiny_model_dir):
+    done = reprise(
+        "bench", "kv-decode", "--model", str(tiny_model_dir), "--tokens", "300", "--steps",
+        "6", "--group-size", "32", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)["rows"]
+    assert [r["mode"] for r in rows] == [
+        "16-bit", "k8v8 sink+window", "k4v4 hadamard sink+window128"
+    ]  # fmt: skip
+    assert rows[0]["vs_16_bit"] == 1 and all(r["step_ms"] > 0 for r in rows)
+
+
 def test_bench_kv_speed_runs_each_scheme_on_a_random_model():
     done = reprise("bench", "kv-speed", "--shape", "tiny", "--tokens", "300", "--steps", "4")
     assert done.returncode == 0, done.stderr

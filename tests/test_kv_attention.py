@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from app.engine import kvattention, kvkernels
+from app.engine import kvattention, kvcpu, kvkernels
 from app.engine.kvconvert import quantizer
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import APP_SCHEMES, KVScheme, scheme_for
@@ -158,3 +158,23 @@ def test_on_the_cpu_decode_reads_the_codes_without_widening_the_bulk(monkeypatch
         layer = filled(scheme, 2, 64, mx.float32)
         queries = mx.random.normal((1, 4, 1, 64), key=mx.random.key(7))
         assert close(layer.attend(queries, 0.125, None), oracle(layer, queries)), scheme.format
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's decode path")
+@pytest.mark.parametrize(("dim", "heads", "kv_heads"), [(64, 9, 3), (128, 16, 2)], ids=str)
+def test_on_the_cpu_a_bulk_of_many_blocks_and_16_bit_halves_match_the_oracle(
+    monkeypatch, dim, heads, kv_heads
+):
+    """`kvcpu` widens the bulk a block at a time: many small blocks (with a partial
+    last one) give what one does, a half kept in 16 bits is read as such, and a
+    layer without a sink or window can hold no 16-bit row at all (224 = 7 x FLUSH)."""
+    monkeypatch.setattr(kvcpu, "_BLOCK_BYTES", 4 * dim * 24)
+    mixed = [KVScheme(8, None, 64, sink=4, window=16), KVScheme(None, 4, 32, 4, 16, True)]
+    for scheme, tokens in [
+        *((scheme, (200, 9)) for scheme in [*schemes(dim), *mixed]),
+        (KVScheme(8, 4, 32), (200, 24)),
+    ]:
+        layer = filled(scheme, kv_heads, dim, mx.float32, tokens=tokens)
+        queries = mx.random.normal((1, heads, 1, dim), key=mx.random.key(5))
+        got = layer.attend(queries, dim**-0.5, None)
+        assert close(got, oracle(layer, queries)), scheme.format

@@ -31,11 +31,12 @@ and [q, n) the 16-bit tail (sink and tail are one 16-bit buffer, "exact"):
   query is rotated for the bulk instead of un-rotating the cache. On CUDA this
   is one kernel of ours plus a merge (app/engine/kvkernels.py: mlx's
   `quantized_matmul` there is wrong when the group size equals the head size
-  and slow for the values product); on the CPU, products with the codes as
-  floats and the scales and biases applied to their results (`cpu_decode`:
-  mlx's CPU quantized matmul is scalar code, and widening the bulk first cost
-  4x the 16-bit attention); elsewhere `mx.quantized_matmul` (Metal: not
-  measured here, no Mac).
+  and slow for the values product); on the CPU, numpy on views of the packed
+  buffers, products with the codes as floats and the scales and biases applied
+  to their results (`cpu_decode`, app/engine/kvcpu.py: mlx's CPU quantized
+  matmul is scalar code, widening the bulk first cost 4x the 16-bit attention,
+  and the same products as an mlx graph 2.5x); elsewhere `mx.quantized_matmul`
+  (Metal: not measured here, no Mac).
 - prefill and masked calls: the bulk dequantized once for all queries (a
   temporary of one layer), the exact rows put in place by a concatenation,
   then `mx.fast.scaled_dot_product_attention`.
@@ -48,10 +49,9 @@ import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models import base
 
-from app.engine import cpu_attention, kvkernels
+from app.engine import cpu_attention, kvcpu, kvkernels
 
 _FAST_WIDEN = (8, 4)  # widths the CPU unpacks with byte views
 
@@ -257,73 +257,8 @@ def quantized_decode(layout: PackedLayout, queries: mx.array, scale: float) -> m
     return out.reshape(B, heads, N, D)
 
 
-# -- decode on the CPU: products with the codes, no widened bulk ----------------------
-#
-# Per group of a row, x·(s c + b) = s (x·c) + b Σx for the scores, and for the values
-# Σ_t w_t (s_t c_t + b_t) = (w s)ᵀ c + w·b: the only full-size pass is the codes to
-# float32. A 4-bit byte holds dimension 2j in its low nibble and 2j+1 in its high one,
-# so its two nibbles are two "lanes", each against the even or odd query dimensions.
+# -- decode on the CPU: numpy on the packed buffers (app/engine/kvcpu.py) ------------
 
 
 def cpu_decode(layout: PackedLayout, queries: mx.array, scale: float) -> mx.array:
-    batch, heads, _, dim = queries.shape
-    exact_k, exact_v = (layout.exact_rows(p).astype(mx.float32) for p in (0, 1))
-    kv_heads = exact_k.shape[1]
-    q = (queries * scale).reshape(batch, kv_heads, heads // kv_heads, dim)
-    bulk_scores = _scores(layout.bulk[0], layout.bulk_parts(0), _rotate(q) if layout.rotated else q)
-    scores = mx.concatenate([q @ exact_k.swapaxes(-1, -2), bulk_scores], axis=-1)
-    mx.eval(scores)
-    # In place through numpy (mlx's CPU exp is scalar code): `scores` is fresh.
-    totals = cpu_attention.exp_in_place(np.asarray(scores))
-    e = exact_k.shape[2]
-    out = scores[..., :e] @ exact_v + _values(layout.bulk[1], layout.bulk_parts(1), scores[..., e:])
-    return (out / mx.array(totals)).reshape(batch, heads, 1, -1)  # values may be narrower (MLA)
-
-
-def _lanes(store, weights: mx.array) -> list[mx.array]:
-    """The codes as float32, (batch, kv heads, groups, tokens, codes per group and lane)."""
-    codes = weights.view(mx.uint8)
-    lanes = [codes] if store.bits == 8 else [codes & 15, codes >> 4]
-    *lead, tokens, width = codes.shape
-    groups = width * len(lanes) // store.group_size
-    return [
-        lane.astype(mx.float32).reshape(*lead, tokens, groups, -1).swapaxes(-2, -3)
-        for lane in lanes
-    ]
-
-
-def _per_group(x: mx.array) -> mx.array:
-    """(..., tokens, groups) scales or biases as (..., groups, 1, tokens), float32."""
-    return x.astype(mx.float32).swapaxes(-1, -2)[..., None, :]
-
-
-def _scores(store, parts: list[mx.array], q: mx.array) -> mx.array:
-    """q @ bulkᵀ: (batch, kv heads, query group, dim) -> (..., query group, tokens)."""
-    if store.bits is None:
-        return q @ parts[0].astype(mx.float32).swapaxes(-1, -2)
-    weights, scales, biases = parts
-    lanes = _lanes(store, weights)
-    groups = scales.shape[-1]
-    *lead, rows, dim = q.shape
-    # The query's dimensions per lane and group: (..., groups, rows, codes per lane).
-    split = q.reshape(*lead, rows, dim // len(lanes), len(lanes))
-    dots = sum(
-        split[..., lane].reshape(*lead, rows, groups, -1).swapaxes(-2, -3) @ codes.swapaxes(-1, -2)
-        for lane, codes in enumerate(lanes)
-    )
-    sums = q.reshape(*lead, rows, groups, -1).sum(-1).swapaxes(-1, -2)[..., None]
-    return (dots * _per_group(scales) + sums * _per_group(biases)).sum(-3)
-
-
-def _values(store, parts: list[mx.array], w: mx.array) -> mx.array:
-    """w @ bulk: (batch, kv heads, query group, tokens) -> (..., query group, dim)."""
-    if store.bits is None:
-        return w @ parts[0].astype(mx.float32)
-    weights, scales, biases = parts
-    lanes = _lanes(store, weights)
-    weighted = w[..., None, :, :] * _per_group(scales)  # (..., groups, rows, tokens)
-    products = [weighted @ codes for codes in lanes]  # (..., groups, rows, codes per lane)
-    by_group = mx.stack(products, axis=-1).reshape(*products[0].shape[:-1], -1)
-    bias = (w @ biases.astype(mx.float32)).swapaxes(-1, -2)[..., None]
-    *lead, rows, _ = w.shape
-    return (by_group + bias).swapaxes(-2, -3).reshape(*lead, rows, -1)
+    return kvcpu.decode(layout, queries, scale)

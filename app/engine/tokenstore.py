@@ -84,9 +84,14 @@ class TokenStore:
             grown.append(fresh)
         self.buffers, self.lo, self.hi = grown, 0, size
 
-    def encoded(self, start: int = 0, end: int | None = None) -> list[mx.array]:
+    def span(self, start: int = 0, end: int | None = None) -> slice:
+        """Where tokens [start, end) lie along the buffers' token axis (2)."""
         end = len(self) if end is None else end
-        return [b[..., self.lo + start : self.lo + end, :] for b in self.buffers]
+        return slice(self.lo + start, self.lo + end)
+
+    def encoded(self, start: int = 0, end: int | None = None) -> list[mx.array]:
+        span = self.span(start, end)
+        return [b[..., span, :] for b in self.buffers]
 
     def read(self, dtype: mx.Dtype, start: int = 0, end: int | None = None) -> mx.array:
         return self.decode(self.encoded(start, end), dtype)

@@ -1,0 +1,209 @@
+"""Decode attention over the app's packed KV cache on the CPU, in numpy (issue 13).
+
+Why numpy: a decode step's attention is a few small products over one layer's
+tokens, and on the CPU mlx charges for every graph node and every `mx.eval`
+(several µs each) while its element-wise kernels are scalar code in the Linux
+wheel. So one eval brings in the query and the new token's rows, and the rest
+runs on numpy views of the packed buffers (`np.asarray` of an evaluated mlx
+array, sliced or not, shares its memory), with one small array back to mlx.
+
+The maths: per quantization group of a row, x·(s c + b) = s (x·c) + b Σx for
+the scores, and Σ_t w_t (s_t c_t + b_t) = (w s)ᵀ c + w·b for the values. The
+only full-size pass is the codes to float32, `_BLOCK_BYTES` at a time into a
+reused scratch that stays in the CPU's cache: no float copy of the bulk is ever
+whole. A 4-bit byte holds dimension 2j in its low nibble and 2j+1 in its high
+one; a group's low nibbles are widened into the first half of its columns and
+the high ones into the second, and the query's dimensions are ordered to match
+(the values' output is put back in order at the end). Rotated keys: the query
+is rotated for the bulk. The 16-bit rows (sink and tail) are widened with bit
+arithmetic, as numpy's float16 cast is scalar code (about 3x slower here).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from functools import cache
+
+import mlx.core as mx
+import numpy as np
+
+from app.engine import cpu_attention
+
+# Bulk rows of one KV head widened at a time: 512 KiB of float32 (2k tokens of 64
+# dims), half of a core's L2 cache here.
+_BLOCK_BYTES = 512 << 10
+_scratch = threading.local()
+_GEMM_ROWS = 4  # queries per KV head from which one matrix product is used
+
+
+def decode(layout, queries: mx.array, scale: float) -> mx.array:
+    """Attention of one query per head over `layout` (a kvattention.PackedLayout)."""
+    batch, heads, _, dim = queries.shape
+    start, end = layout.bulk_start, layout.bulk_end
+    # Whole buffers, sliced in numpy: evaluating eight mlx slices cost 80 µs a layer.
+    mx.eval(queries, [store.buffers for store in (*layout.exact, *layout.bulk)])
+    exact_k, exact_v = (_rows(store)[0] for store in layout.exact)
+    bulk_k, bulk_v = (_rows(store, start, end) for store in layout.bulk)
+    kv_heads = exact_k.shape[0] // batch
+    q = np.asarray(queries).reshape(batch * kv_heads, heads // kv_heads, dim) * np.float32(scale)
+
+    rows = exact_k.shape[1]
+    scores = np.empty((*q.shape[:2], rows + end - start), np.float32)
+    np.matmul(q, _widen_half(exact_k).transpose(0, 2, 1), out=scores[..., :rows])
+    bulk_q = q @ _hadamard(dim) if layout.rotated else q
+    _bulk_scores(layout.bulk[0], bulk_k, bulk_q, scores[..., rows:])
+    totals = cpu_attention.exp_in_place(scores)
+    out = scores[..., :rows] @ _widen_half(exact_v)  # few rows: one product is faster
+    out += _bulk_values(layout.bulk[1], bulk_v, scores[..., rows:])
+    out /= totals
+    return mx.array(out.reshape(batch, heads, 1, -1))
+
+
+def _rows(store, start: int = 0, end: int | None = None) -> list[np.ndarray]:
+    """A store's tokens [start, end) as numpy views of its evaluated buffers, (batch x
+    KV heads, tokens, width): only the token axis is sliced, so the merge is a view."""
+    span = store.span(start, end)
+    views = (np.asarray(buffer)[:, :, span] for buffer in store.buffers)
+    return [view.reshape(view.shape[0] * view.shape[1], *view.shape[2:]) for view in views]
+
+
+def _widen_half(h: np.ndarray) -> np.ndarray:
+    """float16 -> float32 by its bits: shifted 13 places up, a float16's exponent and
+    mantissa are a float32's of the value times 2^-112 (subnormals included); the
+    shift of the sign-extended bits leaves the sign in place and three copies of it
+    below, which the mask clears. Infinities and NaN come out finite: a KV row never
+    holds them (its oracle would be NaN anyway)."""
+    bits = np.left_shift(h.view(np.int16), 13, dtype=np.int32)
+    bits &= np.int32(~0x70000000)
+    wide = bits.view(np.float32)
+    wide *= np.float32(2.0**112)
+    return wide
+
+
+@cache
+def _hadamard(dim: int) -> np.ndarray:
+    """The normalized Walsh-Hadamard matrix mlx's transform uses (symmetric), so that
+    q @ it is `mx.hadamard_transform(q, scale=1/sqrt(dim))`."""
+    eye = mx.eye(dim, dtype=mx.float32)
+    return np.array(mx.hadamard_transform(eye, scale=1 / math.sqrt(dim)))
+
+
+def _scratch_for(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 array of `shape`, reused by this thread's calls."""
+    size = math.prod(shape)
+    held = getattr(_scratch, "floats", None)
+    if held is None or held.size < size:
+        held = _scratch.floats = np.empty(size, np.float32)
+    return held[:size].reshape(shape)
+
+
+def _product(x: np.ndarray, m: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """x @ m for one KV head, x (query group, k), m (k, n). With fewer than 4 queries a
+    KV head, one matrix-vector product per query: OpenBLAS's matrix product with so
+    few rows took 1.7x as long here (3 queries: 90 against 54 µs at 2k tokens); from
+    4 on it is as fast or faster."""
+    if x.shape[0] >= _GEMM_ROWS:
+        return np.matmul(x, m, out=out)
+    if out is None:
+        out = np.empty((x.shape[0], m.shape[-1]), np.float32)
+    for j in range(x.shape[0]):
+        np.matmul(x[j], m, out=out[j])
+    return out
+
+
+def _lane_order(x: np.ndarray, groups: int) -> np.ndarray:
+    """(..., dim) in the 4-bit scratch's order: per group, even dimensions then odd."""
+    *lead, dim = x.shape
+    split = x.reshape(*lead, groups, dim // groups // 2, 2)
+    return split.swapaxes(-1, -2).reshape(*lead, dim)
+
+
+def _in_order(x: np.ndarray, groups: int) -> np.ndarray:
+    """The inverse of `_lane_order`."""
+    *lead, dim = x.shape
+    split = x.reshape(*lead, groups, 2, dim // groups // 2)
+    return split.swapaxes(-1, -2).reshape(*lead, dim)
+
+
+def _widened(store, codes: np.ndarray, groups: int):
+    """Per KV head and block of tokens: (head, first, last token, the rows as float32,
+    (tokens, groups, group size)): the codes of a quantized store (4-bit in lane
+    order), the values of a 16-bit one. A block is at most `_BLOCK_BYTES` (it stays in
+    the CPU's cache for the products that read it) and reuses one scratch."""
+    rows, tokens, width = codes.shape
+    dim = width * codes.itemsize * 8 // (store.bits or 16)
+    step = max(1, _BLOCK_BYTES // (4 * dim))
+    for r in range(rows):
+        for a in range(0, tokens, step):
+            b = min(tokens, a + step)
+            yield r, a, b, _widen(store, codes[r, a:b], groups).reshape(b - a, groups, -1)
+
+
+def _widen(store, codes: np.ndarray, groups: int) -> np.ndarray:
+    """(tokens, width) codes as float32 (tokens, dim)."""
+    if store.bits is None:
+        return _widen_half(codes)
+    codes = codes.view(np.uint8)
+    if store.bits == 8:
+        wide = _scratch_for(codes.shape)
+        np.copyto(wide, codes, casting="unsafe")
+        return wide
+    tokens, width = codes.shape
+    wide = _scratch_for((tokens, groups, 2, width // groups))
+    by_group = codes.reshape(tokens, groups, -1)
+    np.copyto(wide[..., 0, :], by_group & 15, casting="unsafe")
+    np.copyto(wide[..., 1, :], by_group >> 4, casting="unsafe")
+    return wide.reshape(tokens, 2 * width)
+
+
+def _scales(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """A quantized store's scales and biases as float32, (rows, groups, tokens)."""
+    return tuple(_widen_half(x).transpose(0, 2, 1) for x in parts[1:])
+
+
+def _bulk_scores(store, parts: list[np.ndarray], q: np.ndarray, out: np.ndarray) -> None:
+    """out = q @ bulkᵀ: q (rows, query group, dim), out (rows, query group, tokens)."""
+    groups = 1 if store.bits is None else parts[1].shape[-1]
+    if store.bits == 4:
+        q = _lane_order(q, groups)
+    by_group = q.reshape(*q.shape[:2], groups, -1)
+    # q·codes per group: (rows, groups, query group, tokens)
+    dots = (
+        out[:, None]
+        if groups == 1
+        else np.empty((out.shape[0], groups, *out.shape[1:]), np.float32)
+    )
+    for r, a, b, wide in _widened(store, parts[0], groups):
+        for g in range(groups):
+            _product(by_group[r, :, g], wide[:, g].T, dots[r, g, :, a:b])
+    if store.bits is None:
+        return
+    scales, biases = _scales(parts)
+    sums = by_group.sum(-1)  # (rows, query group, groups)
+    for g in range(groups):
+        if g == 0:
+            np.multiply(dots[:, 0], scales[:, None, 0], out=out)
+        else:
+            out += dots[:, g] * scales[:, None, g]
+        out += sums[..., g, None] * biases[:, None, g]
+
+
+def _bulk_values(store, parts: list[np.ndarray], w: np.ndarray) -> np.ndarray:
+    """w @ bulk: w (rows, query group, tokens) -> (rows, query group, dim)."""
+    if store.bits is None:
+        out = np.zeros((*w.shape[:2], parts[0].shape[-1]), np.float32)
+        for r, a, b, wide in _widened(store, parts[0], 1):
+            out[r] += _product(w[r, :, a:b], wide[:, 0])
+        return out
+    scales, biases = _scales(parts)
+    groups = scales.shape[1]
+    size = parts[0].shape[-1] * 32 // store.bits // groups
+    # The w·b terms, one per group, over its dimensions; then (w s) @ codes.
+    out = np.repeat((w @ biases.transpose(0, 2, 1))[..., None], size, axis=-1)
+    weighted = w[:, :, None] * scales[:, None]  # (rows, query group, groups, tokens)
+    for r, a, b, wide in _widened(store, parts[0], groups):
+        for g in range(groups):
+            out[r, :, g] += _product(weighted[r, :, g, a:b], wide[:, g])
+    out = out.reshape(*w.shape[:2], -1)
+    return _in_order(out, groups) if store.bits == 4 else out
