@@ -178,3 +178,13 @@ def test_on_the_cpu_a_bulk_of_many_blocks_and_16_bit_halves_match_the_oracle(
         queries = mx.random.normal((1, heads, 1, dim), key=mx.random.key(5))
         got = layer.attend(queries, dim**-0.5, None)
         assert close(got, oracle(layer, queries)), scheme.format
+
+
+def test_bfloat16_rows_on_the_float32_path_match_the_oracle():
+    """A cache holding bfloat16 rows (a bfloat16 model's, restored where the model
+    computes in float32) is attended as any other: numpy, which reads the CPU's packed
+    buffers, has no bfloat16, so such a layer takes the dense path."""
+    for scheme in APP_SCHEMES.values():
+        layer = filled(scheme, 2, 64, mx.bfloat16)
+        queries = mx.random.normal((1, 4, 1, 64), key=mx.random.key(8))
+        assert close(layer.attend(queries, 0.125, None), oracle(layer, queries)), scheme.format

@@ -148,9 +148,15 @@ def _cpu_widens(layout: PackedLayout, queries: mx.array) -> bool:
 
 
 def _on_the_cpu_path(layout: PackedLayout, queries: mx.array) -> bool:
-    """float32 on the CPU, widths it reads by bytes; `REPRISE_CPU_ATTENTION=mlx` keeps
-    the dense path, as it keeps mlx's attention for 16 bits."""
-    return cpu_attention.enabled and mx.default_device() == mx.cpu and _cpu_widens(layout, queries)
+    """float32 on the CPU, widths it reads by bytes, float16 rows (numpy, which reads
+    them, has no bfloat16); `REPRISE_CPU_ATTENTION=mlx` keeps the dense path, as it
+    keeps mlx's attention for 16 bits."""
+    return (
+        cpu_attention.enabled
+        and mx.default_device() == mx.cpu
+        and _cpu_widens(layout, queries)
+        and all(s.dtype == mx.float16 for s in (*layout.exact, *layout.bulk) if s.buffers)
+    )
 
 
 def _rotate(x: mx.array) -> mx.array:
