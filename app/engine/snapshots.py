@@ -227,6 +227,8 @@ class _Restored:
     def layer(self, layer, spec):
         """`layer` (the model's fresh one) as `spec` has it, a CacheList's parts each."""
         name = spec.get("class") if isinstance(spec, dict) else None
+        if not isinstance(name, str):  # a layout is read from a file: any JSON at all
+            raise CacheRejected("a snapshot layer without a class name")
         if name == "CacheList" and type(layer) is CacheList:
             parts = spec.get("parts")
             if not isinstance(parts, list) or len(parts) != len(layer.caches):
@@ -274,10 +276,32 @@ def _restore_layer(layer, name, spec: dict, tensors: dict[str, mx.array], used: 
         layer.state = tuple(state)
     except (ValueError, TypeError) as exc:
         raise CacheRejected(f"a {name} layer does not take this state ({exc})") from exc
+    _check_counts(name, layer)
     for size, value in sizes.items():  # the model's window, kept tokens or chunk size
         if getattr(layer, size, None) != value:
             raise CacheRejected(f"a {name} layer with another {size} than the model's")
     return layer
+
+
+# A layer's counts and sizes: a setter takes whatever the state holds, and an array (or
+# a string) there only fails later, at the next token inside the model.
+_COUNTS = ("offset", "_idx", "start_position", *_MODEL_SIZES)
+
+
+def _check_counts(name: str, layer) -> None:
+    """Counts are ints mlx can slice with (32 bits), and agree with the keys held."""
+    for count in _COUNTS:
+        value = getattr(layer, count, 0)
+        if value is None and count == "max_size":
+            continue
+        if type(value) is not int or not 0 <= value < 2**31:
+            raise CacheRejected(f"a {name} layer whose {count.strip('_')} is not a count")
+    keys = getattr(layer, "keys", None)
+    held = keys.shape[2] if isinstance(keys, mx.array) else 0
+    if type(layer) is KVCache and layer.offset != held:
+        raise CacheRejected(f"a {name} layer whose offset is not its keys' length")
+    if type(layer) is RotatingKVCache and not layer._idx <= held <= layer.offset:
+        raise CacheRejected(f"a {name} layer whose position is outside its keys")
 
 
 def _widened(name: str, state: list, computed_in: object) -> list:
