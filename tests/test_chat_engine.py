@@ -291,3 +291,19 @@ def test_a_long_prompt_is_prefilled_without_logits_then_fed_its_last_token(tiny_
     assert finished.stats.prefilled_tokens > steps_module.SHORT_PROMPT
     assert sum(fed[:-generated]) == finished.stats.prefilled_tokens
     assert fed[-generated - 1 :] == [1] * (generated + 1)
+
+
+def test_stop_before_a_short_prompt_is_read_gives_no_reply(tiny_model):
+    """A short prompt has no prefill step to stop between: Stop pressed while it is
+    read still ends the turn before its first token, cache and tokens in step."""
+    session = ChatSession(tiny_model)
+    first, _ = run(session, [{"role": "user", "content": "hello there"}], sampling=GREEDY)
+    messages = [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "and then?"},
+    ]
+    finished, _ = run(session, messages, sampling=GREEDY, should_stop=lambda: True)
+    assert finished.stats.finish_reason == "cancelled"
+    assert finished.stats.generated_tokens == 0
+    assert len(session.tokens) == cache_offset(session)

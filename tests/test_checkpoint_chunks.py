@@ -265,6 +265,11 @@ def test_a_quantized_chat_reopens_and_edits_from_its_checkpoints(words_model):
     assert (edited.restore.source, edited.restore.checkpoint) == ("disk", 2)
     assert edited.stats.reused_tokens == closed.index.chunk(entry.checkpoint_keys[1])["token_end"]
     assert len(edited.text.split()) == 8
+    fresh = ConversationEngine(open_db(), words_model)  # the edited chat, computed afresh
+    other = fresh.store.create(words_model.name).id
+    for text in (FIRST, LATER, "an edited third message"):
+        recomputed = finished_of(fresh.send(other, text, quantized))
+    assert edited.text == recomputed.text
 
 
 def finished_of(events) -> ReplyFinished:

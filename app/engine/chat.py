@@ -187,6 +187,9 @@ class ChatSession:
                 if should_stop():
                     yield self._finish(turn, "", "cancelled")
                     return
+            if not remaining[:-tail] and should_stop():  # a short prompt has no prefill step
+                yield self._finish(turn, "", "cancelled")
+                return
             self.tokens = list(prompt)
             next_token = make_next_token(
                 self.loaded.model, self.cache, sampling, quantize, self.tokens

@@ -167,7 +167,9 @@ def pick(store: KVStore, entry: ConversationCache, usable: int) -> tuple | None:
     limit = min(usable, len(entry.tokens))
     if entry.chunk_keys:
         chunks = store.saved_chunks(entry)
-        limit = min(limit, chunks[-1][2] if chunks else 0)
+        if not chunks:
+            raise CacheRejected("cache files were evicted")
+        limit = min(limit, chunks[-1][2])
     prefix_keys = _PrefixKeys(store.fingerprint, entry.kv_format, entry.tokens)
     for number in range(len(entry.checkpoint_keys), 0, -1):
         key = entry.checkpoint_keys[number - 1]

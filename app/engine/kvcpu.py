@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from app.engine import cpu_attention
+from app.engine.tokenstore import rotation_matrix
 
 # Bulk rows of one KV head widened at a time: 512 KiB of float32 (2k tokens of 64
 # dims), half of a core's L2 cache here.
@@ -83,10 +84,8 @@ def _widen_half(h: np.ndarray) -> np.ndarray:
 
 @cache
 def _hadamard(dim: int) -> np.ndarray:
-    """The normalized Walsh-Hadamard matrix mlx's transform uses (symmetric), so that
-    q @ it is `mx.hadamard_transform(q, scale=1/sqrt(dim))`."""
-    eye = mx.eye(dim, dtype=mx.float32)
-    return np.array(mx.hadamard_transform(eye, scale=1 / math.sqrt(dim)))
+    """The keys' rotation as a matrix on row vectors: q @ it is `tokenstore.rotate(q)`."""
+    return np.array(rotation_matrix(dim))
 
 
 def _scratch_for(shape: tuple[int, ...]) -> np.ndarray:

@@ -98,9 +98,10 @@ def _meta(values: tuple) -> mx.array:
     """The counts as a device array; every layer of a decode step has the same ones,
     so a step uploads them once instead of once per layer."""
     global _last_meta
-    if _last_meta[0] != values:
-        _last_meta = (values, mx.array(values, dtype=mx.int32))
-    return _last_meta[1]
+    held = _last_meta  # read once: another thread may replace it meanwhile
+    if held[0] != values:
+        held = _last_meta = (values, mx.array(values, dtype=mx.int32))
+    return held[1]
 
 
 def _stages_keys(head_dim: int, key_bits: int, group: int, group_heads: int) -> bool:

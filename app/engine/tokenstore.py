@@ -4,6 +4,7 @@ buffer that grows in steps (app/engine/kvquant.py puts two of each in a layer)."
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import mlx.core as mx
 
@@ -21,10 +22,27 @@ def as_dtype(x: mx.array, dtype: mx.Dtype) -> mx.array:
 
 
 def rotate(x: mx.array) -> mx.array:
-    """The normalized Walsh-Hadamard transform along the head axis (its own inverse);
-    float16 is rotated in float32 (float16 arithmetic is emulated on the CPU)."""
+    """The normalized Walsh-Hadamard transform along the head axis; float16 is rotated
+    in float32 (float16 arithmetic is emulated on the CPU)."""
     wide = x.astype(mx.float32) if x.dtype == mx.float16 else x
     return mx.hadamard_transform(wide, scale=1 / math.sqrt(x.shape[-1]))
+
+
+def unrotate(x: mx.array) -> mx.array:
+    """`rotate` undone. For a power-of-two head size the transform is its own inverse;
+    mlx builds the others (20 or 28 times a power of two: 80, 160, 224...) from a
+    matrix that is orthogonal but not symmetric, so there the inverse is its transpose."""
+    dim = x.shape[-1]
+    if dim & (dim - 1) == 0:
+        return rotate(x)
+    wide = x.astype(mx.float32) if x.dtype == mx.float16 else x
+    return wide @ rotation_matrix(dim).T
+
+
+@cache
+def rotation_matrix(dim: int) -> mx.array:
+    """`rotate` as a matrix on row vectors: rotate(x) == x @ _rotation(dim)."""
+    return rotate(mx.eye(dim, dtype=mx.float32))
 
 
 class TokenStore:
@@ -61,7 +79,7 @@ class TokenStore:
                 scales, biases = scales.astype(dtype), biases.astype(dtype)
             x = mx.dequantize(weights, scales, biases, group_size=self.group_size, bits=self.bits)
         x = as_dtype(x, dtype)
-        return as_dtype(rotate(x), dtype) if self.rotate else x
+        return as_dtype(unrotate(x), dtype) if self.rotate else x
 
     def append_encoded(self, parts: list[mx.array]) -> None:
         n = parts[0].shape[2]
