@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from app.engine import cpu_attention
+from app.engine import cpu_attention, cpu_blas
 
 pytestmark = pytest.mark.skipif(
     mx.default_device() != mx.cpu, reason="the numpy path serves the CPU only"
@@ -53,6 +53,23 @@ def test_array_masks_match_mlx(dim, heads, kv_heads):
     assert matches(q, k, v, mx.where(sliding, 0.0, -1e9) + mx.random.normal(sliding.shape))
     per_head = mx.random.uniform(shape=(1, heads, rows, length), key=mx.random.key(4)) > 0.3
     assert matches(q, k, v, per_head | (key == 0))  # every row sees at least one key
+
+
+@pytest.mark.parametrize("dim, heads, kv_heads", SHAPES)
+def test_a_decode_row_under_a_window_or_additive_mask_matches_mlx(dim, heads, kv_heads):
+    """One query row goes through the OpenBLAS products of `cpu_blas`; with no OpenBLAS,
+    through numpy's matmul."""
+    q, k, v = arrays(heads, kv_heads, dim, 1, 300)
+    sliding = mx.arange(300)[None, :] > 299 - 20
+    per_head = mx.random.uniform(shape=(1, heads, 1, 300), key=mx.random.key(4)) > 0.3
+    for mask in (None, sliding, mx.where(sliding, 0.0, -1e9), per_head | sliding):
+        assert matches(q, k, v, mask)
+
+
+def test_a_decode_row_without_openblas_takes_numpys_products(monkeypatch):
+    q, k, v = arrays(9, 3, 64, 1, 300)
+    monkeypatch.setattr(cpu_blas, "available", lambda: False)
+    assert matches(q, k, v, None)
 
 
 def test_blocks_of_query_rows_give_the_same_attention(monkeypatch):

@@ -28,14 +28,13 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from app.engine import cpu_attention
+from app.engine import cpu_attention, cpu_blas
 from app.engine.tokenstore import rotation_matrix
 
 # Bulk rows of one KV head widened at a time: 512 KiB of float32 (2k tokens of 64
 # dims), half of a core's L2 cache here.
 _BLOCK_BYTES = 512 << 10
 _scratch = threading.local()
-_GEMM_ROWS = 4  # queries per KV head from which one matrix product is used
 
 
 def decode(layout, queries: mx.array, scale: float) -> mx.array:
@@ -51,11 +50,11 @@ def decode(layout, queries: mx.array, scale: float) -> mx.array:
 
     rows = exact_k.shape[1]
     scores = np.empty((*q.shape[:2], rows + end - start), np.float32)
-    np.matmul(q, _widen_half(exact_k).transpose(0, 2, 1), out=scores[..., :rows])
-    bulk_q = q @ _hadamard(dim) if layout.rotated else q
+    cpu_blas.stacked_matmul(q, _widen_half(exact_k).transpose(0, 2, 1), scores[..., :rows])
+    bulk_q = cpu_blas.stacked_matmul(q, _hadamard(dim)) if layout.rotated else q
     _bulk_scores(layout.bulk[0], bulk_k, bulk_q, scores[..., rows:])
     totals = cpu_attention.exp_in_place(scores)
-    out = scores[..., :rows] @ _widen_half(exact_v)  # few rows: one product is faster
+    out = cpu_blas.stacked_matmul(scores[..., :rows], _widen_half(exact_v))
     out += _bulk_values(layout.bulk[1], bulk_v, scores[..., rows:])
     out /= totals
     return mx.array(out.reshape(batch, heads, 1, -1))
@@ -98,17 +97,10 @@ def _scratch_for(shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _product(x: np.ndarray, m: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """x @ m for one KV head, x (query group, k), m (k, n). With fewer than 4 queries a
-    KV head, one matrix-vector product per query: OpenBLAS's matrix product with so
-    few rows took 1.7x as long here (3 queries: 90 against 54 µs at 2k tokens); from
-    4 on it is as fast or faster."""
-    if x.shape[0] >= _GEMM_ROWS:
-        return np.matmul(x, m, out=out)
-    if out is None:
-        out = np.empty((x.shape[0], m.shape[-1]), np.float32)
-    for j in range(x.shape[0]):
-        np.matmul(x[j], m, out=out[j])
-    return out
+    """x @ m for one KV head, x (query group, k), m (k, n), through the OpenBLAS mlx
+    uses (`cpu_blas`: one matrix-vector product per query below 4 queries a KV head,
+    where a matrix product with so few rows took 1.7x as long here)."""
+    return cpu_blas.matmul(x, m, out)
 
 
 def _lane_order(x: np.ndarray, groups: int) -> np.ndarray:
@@ -199,7 +191,7 @@ def _bulk_values(store, parts: list[np.ndarray], w: np.ndarray) -> np.ndarray:
     groups = scales.shape[1]
     size = parts[0].shape[-1] * 32 // store.bits // groups
     # The w·b terms, one per group, over its dimensions; then (w s) @ codes.
-    out = np.repeat((w @ biases.transpose(0, 2, 1))[..., None], size, axis=-1)
+    out = np.repeat(cpu_blas.stacked_matmul(w, biases.transpose(0, 2, 1))[..., None], size, axis=-1)
     weighted = w[:, :, None] * scales[:, None]  # (rows, query group, groups, tokens)
     for r, a, b, wide in _widened(store, parts[0], groups):
         for g in range(groups):

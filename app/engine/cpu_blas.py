@@ -1,0 +1,206 @@
+"""A decode step's products on the CPU path, through the OpenBLAS mlx uses.
+
+Why: a decode step multiplies one row by every weight matrix once. mlx's CPU
+matmul hands every shape to `cblas_sgemm`, and the OpenBLAS most Linux systems
+ship (0.3.21 in Debian 12) packs the whole weight matrix before a one-row
+product: a 576x1536 float32 layer took 0.23 ms through sgemm against 0.045 ms
+through `cblas_sgemv` on the same library, and the tied 49,152-row output
+layer of SmolLM2 4.4 ms against 2.1 ms. A decode step is those products and
+little else, so it read its 540 MB of weights at a third of the speed the
+memory allows.
+
+How: on the float32 CPU path (`loading`), the dense layers become `RowLinear`
+and the embedding `RowEmbedding`. A call with more than one row (prefill)
+goes to mlx as before. A one-row call evaluates its input, lets sgemv read
+the weight in place (numpy's view of mlx's buffer, no copy) and returns the
+result as a new mlx array. That cuts the graph at each layer; on the CPU the
+cut costs less than the product saves (`reprise bench cpu` runs both).
+
+The products go to the library mlx resolved `cblas_sgemm` to, called through
+ctypes, never to numpy's matmul: numpy brings its own OpenBLAS, and two
+OpenBLAS thread pools on two cores spin against each other (a 4k-token decode
+step with numpy's matmul in the attention took 140-550 ms instead of 50).
+
+`REPRISE_CPU_GEMV=off` keeps mlx's own matmul for the dense layers (benches
+compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_map_with_path
+
+from app.engine import blas
+
+enabled = os.environ.get("REPRISE_CPU_GEMV", "on") != "off"
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enum values
+# Fewer rows than this: one matrix-vector product per row (sgemm packs the other
+# matrix first).
+GEMM_ROWS = 4
+_library: ctypes.CDLL | None = None
+_INT, _FLOAT, _POINTER = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+def _openblas() -> ctypes.CDLL:
+    """The library mlx's matmul resolved to (blas.preload), with the two routines typed."""
+    global _library
+    if _library is None:
+        library = ctypes.CDLL(blas.CHOICE.path)
+        library.cblas_sgemv.restype = library.cblas_sgemm.restype = None
+        library.cblas_sgemv.argtypes = [_INT] * 4 + [_FLOAT, _POINTER, _INT, _POINTER, _INT]
+        library.cblas_sgemv.argtypes += [_FLOAT, _POINTER, _INT]
+        library.cblas_sgemm.argtypes = [_INT] * 6 + [_FLOAT, _POINTER, _INT, _POINTER, _INT]
+        library.cblas_sgemm.argtypes += [_FLOAT, _POINTER, _INT]
+        _library = library
+    return _library
+
+
+def available() -> bool:
+    """Whether products go through OpenBLAS here: it is loaded and mlx runs on the CPU."""
+    return blas.CHOICE.name == "openblas" and mx.default_device() == mx.cpu
+
+
+def _leading(m: np.ndarray) -> int | None:
+    """The row stride of a float32 matrix in elements, None when BLAS cannot read it
+    in place (its rows not contiguous, or overlapping as in a broadcast view)."""
+    if m.dtype != np.float32 or m.ndim != 2:
+        return None
+    rows, columns = m.shape
+    if columns > 1 and m.strides[1] != 4:
+        return None
+    if rows == 1:
+        return max(1, columns)
+    stride, rest = divmod(m.strides[0], 4)
+    return stride if rest == 0 and stride >= max(1, columns) else None
+
+
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`a @ b` for float32 matrices, as `np.matmul(a, b, out=out)`. Slices of larger
+    buffers and transposed views are read in place. With fewer than GEMM_ROWS rows,
+    one matrix-vector product per row."""
+    if out is None:
+        out = np.empty((a.shape[0], b.shape[1]), np.float32)
+    if not available():  # mlx's BLAS is not OpenBLAS: numpy's is the only pool
+        return _numpy_matmul(a, b, out)
+    if out.size == 0 or a.shape[1] == 0:  # no tokens yet: nothing BLAS could be handed
+        out[...] = 0
+        return out
+    if _leading(a) is None:
+        a = np.ascontiguousarray(a, np.float32)
+    transposed = _leading(b) is None and _leading(b.T) is not None
+    stored = b.T if transposed else b  # the orientation whose rows are contiguous
+    if _leading(stored) is None:
+        stored, transposed = np.ascontiguousarray(b, np.float32), False
+    target = out if _leading(out) is not None else np.empty(out.shape, np.float32)
+    _product(a, stored, transposed, target)
+    if target is not out:
+        out[...] = target
+    return out
+
+
+def stacked_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`np.matmul` over stacks of matrices: `a` (..., n, k), `b` (..., k, m) with the
+    same leading shape, or one matrix (k, m) for all."""
+    if out is None:
+        out = np.empty((*a.shape[:-1], b.shape[-1]), np.float32)
+    for i in np.ndindex(*a.shape[:-2]):
+        matmul(a[i], b if b.ndim == 2 else b[i], out[i])
+    return out
+
+
+def _product(a: np.ndarray, b: np.ndarray, b_transposed: bool, out: np.ndarray) -> None:
+    rows, inner = a.shape
+    columns = out.shape[1]
+    blas_ = _openblas()
+    if rows < GEMM_ROWS:
+        for r in range(rows):
+            blas_.cblas_sgemv(
+                _ROW_MAJOR, _NO_TRANS if b_transposed else _TRANS, *b.shape, 1.0,
+                b.ctypes.data, _leading(b), a[r].ctypes.data, 1, 0.0, out[r].ctypes.data, 1,
+            )  # fmt: skip
+        return
+    blas_.cblas_sgemm(
+        _ROW_MAJOR, _NO_TRANS, _TRANS if b_transposed else _NO_TRANS, rows, columns, inner,
+        1.0, a.ctypes.data, _leading(a), b.ctypes.data, _leading(b), 0.0,
+        out.ctypes.data, _leading(out),
+    )  # fmt: skip
+
+
+def _numpy_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    if a.shape[0] >= GEMM_ROWS:
+        return np.matmul(a, b, out=out)
+    for r in range(a.shape[0]):  # numpy's OpenBLAS too is slower with so few rows
+        np.matmul(a[r], b, out=out[r])
+    return out
+
+
+def _one_row(x: mx.array, weight: mx.array) -> bool:
+    return (
+        enabled
+        and x.size == x.shape[-1]
+        and x.dtype == mx.float32
+        and weight.dtype == mx.float32
+        and weight.ndim == 2
+    )
+
+
+def row_times_transposed(x: mx.array, weight: mx.array) -> mx.array:
+    """`x @ weight.T` for a single row `x` (any leading shape of size 1)."""
+    outputs, inputs = weight.shape
+    mx.eval(x, weight)
+    w = np.asarray(weight)  # mlx's own buffer, no copy
+    if not w.flags.c_contiguous:
+        return x @ weight.T
+    row = np.ascontiguousarray(np.asarray(x).reshape(inputs))
+    out = np.empty(outputs, dtype=np.float32)
+    _openblas().cblas_sgemv(
+        _ROW_MAJOR, _NO_TRANS, outputs, inputs, 1.0,
+        w.ctypes.data, inputs, row.ctypes.data, 1, 0.0, out.ctypes.data, 1,
+    )  # fmt: skip
+    return mx.array(out).reshape(*x.shape[:-1], outputs)
+
+
+class RowLinear(nn.Linear):
+    """`nn.Linear` whose one-row calls go through sgemv."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = self["weight"]
+        if not _one_row(x, weight):
+            return super().__call__(x)
+        y = row_times_transposed(x, weight)
+        return y + self["bias"] if "bias" in self else y
+
+
+class RowEmbedding(nn.Embedding):
+    """`nn.Embedding` whose tied output layer (`as_linear`) goes through sgemv for one row."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not _one_row(x, self.weight):
+            return super().as_linear(x)
+        return row_times_transposed(x, self.weight)
+
+
+def _row_layer(_path: str, module: nn.Module) -> nn.Module:
+    # Exact classes only: a subclass may compute something else in its __call__.
+    if type(module) is nn.Linear:
+        layer = RowLinear(1, 1, bias=False)
+    elif type(module) is nn.Embedding:
+        layer = RowEmbedding(1, 1)
+    else:
+        return module
+    layer.weight = module.weight
+    if "bias" in module:
+        layer.bias = module.bias
+    return layer
+
+
+def install(model: nn.Module) -> None:
+    """Route the one-row products of `model`'s dense layers through sgemv."""
+    leaves = tree_map_with_path(_row_layer, model.leaf_modules(), is_leaf=nn.Module.is_module)
+    model.update_modules(leaves)
