@@ -22,11 +22,15 @@ def normal(*shape: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 @pytest.mark.parametrize("transposed", [True, False])
-def test_products_equal_numpys_for_few_and_many_rows(rows, transposed):
+@pytest.mark.parametrize("tokens", [500, 4100])  # sgemm, then sgemv per row below 4 rows
+def test_products_equal_numpys_for_few_and_many_rows(rows, transposed, tokens):
     a = normal(rows, 64, seed=1)
     # Slices of larger buffers (rows further apart than they are long), as a KV cache
     # hands out, read as they are or through a transposed view.
-    b = normal(500, 100, seed=2)[:, :64].T if transposed else normal(64, 700, seed=2)[:, :500]
+    if transposed:
+        b = normal(tokens, 100, seed=2)[:, :64].T
+    else:
+        b = normal(64, tokens + 200, seed=2)[:, :tokens]
     np.testing.assert_allclose(cpu_blas.matmul(a, b), a @ b, rtol=1e-4, atol=1e-4)
 
 
