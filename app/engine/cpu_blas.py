@@ -46,6 +46,10 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enum values
 # against 204 µs at 512 tokens, where the calls' own cost dominates.
 GEMM_ROWS = 4
 GEMV_ELEMENTS = 2**17
+# Products up to this many multiply-adds go to numpy's matmul: OpenBLAS runs them on
+# the calling thread (its threshold for threads is 4 x 65,536), so no pool wakes,
+# and numpy's call costs a few µs where the ctypes route costs 15-20.
+SINGLE_THREADED = 4 * 65536
 _library: ctypes.CDLL | None = None
 _INT, _FLOAT, _POINTER = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
@@ -88,7 +92,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     buffers and transposed views are read in place."""
     if out is None:
         out = np.empty((a.shape[0], b.shape[1]), np.float32)
-    if not available():  # mlx's BLAS is not OpenBLAS: numpy's is the only pool
+    if not available() or a.shape[0] * a.shape[1] * b.shape[1] <= SINGLE_THREADED:
         return _numpy_matmul(a, b, out)
     if out.size == 0 or a.shape[1] == 0:  # no tokens yet: nothing BLAS could be handed
         out[...] = 0
