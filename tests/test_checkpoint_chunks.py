@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 import sqlite_utils
 from mlx_lm.models.cache import KVCache, RotatingKVCache
+from tampering import rewrite_layout
 from test_families import assert_identical
 
 from app.engine import snapshots
@@ -20,7 +21,7 @@ from app.engine.codecs import ChunkManifest
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
 from app.engine.kvquant import MixedKVCache
-from sessions.cachefiles import CacheIndex, path_from_url, read_file, write_file
+from sessions.cachefiles import CacheIndex, path_from_url, read_file
 from sessions.db import migrations, open_db
 
 FIRST = "a first message longer than the sliding window of this small model"
@@ -118,15 +119,6 @@ def _damage_file(index: CacheIndex, key: str) -> None:
     path.write_bytes(bytes(data))
 
 
-def _tamper_layout(index: CacheIndex, key: str, change) -> None:
-    path = path_from_url(index.chunk(key)["url"])
-    tensors, metadata = read_file(path, {})
-    layout = json.loads(metadata["layout"])
-    change(layout)
-    metadata["layout"] = json.dumps(layout)
-    write_file(path, tensors, {k: v for k, v in metadata.items() if k != "checksum"})
-
-
 DAMAGE = {
     "chunk file gone": lambda index, e: path_from_url(index.chunk(e.chunk_keys[0])["url"]).unlink(),
     "chunk damaged": lambda index, e: _damage_file(index, e.chunk_keys[-1]),
@@ -134,13 +126,13 @@ DAMAGE = {
         index.chunk(e.checkpoint_keys[-1])["url"]
     ).unlink(),
     "checkpoint damaged": lambda index, e: _damage_file(index, e.checkpoint_keys[-1]),
-    "global layer claimed by the checkpoint": lambda index, e: _tamper_layout(
+    "global layer claimed by the checkpoint": lambda index, e: rewrite_layout(
         index, e.checkpoint_keys[-1], lambda layout: layout[2].pop("in_chunks")
     ),
-    "sliding layer left to chunks": lambda index, e: _tamper_layout(
+    "sliding layer left to chunks": lambda index, e: rewrite_layout(
         index, e.checkpoint_keys[-1], lambda layout: layout[0].update(in_chunks=True)
     ),
-    "chunks disagree with the checkpoint": lambda index, e: _tamper_layout(
+    "chunks disagree with the checkpoint": lambda index, e: rewrite_layout(
         index, e.checkpoint_keys[-1], lambda layout: layout[2].update({"class": "MixedKVCache"})
     ),
 }

@@ -3,19 +3,18 @@ full-attention layers in token chunks and the others in one checkpoint per turn.
 
 from __future__ import annotations
 
-import json
-
 import families
 import pytest
 from conftest import SLIDING_WINDOW
 from mlx_lm.models.cache import RotatingKVCache
+from tampering import rewrite_layout
 
 from app.engine import checkpoints
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
 from app.engine.kvquant import MixedKVCache
-from sessions.cachefiles import CacheIndex, path_from_url, read_file, write_file
+from sessions.cachefiles import CacheIndex
 from sessions.db import open_db
 
 
@@ -80,13 +79,7 @@ def test_a_tampered_snapshot_layout_is_refused(words_model, damage):
     conversation = engine.store.create(words_model.name)
     turn(engine, conversation.id, "a first message longer than the sliding window", options)
     index = CacheIndex(open_db())
-    key = index.conversation(conversation.id).checkpoint_keys[0]
-    path = path_from_url(index.chunk(key)["url"])
-    tensors, metadata = read_file(path, {})
-    layout = json.loads(metadata["layout"])
-    damage(layout)
-    metadata["layout"] = json.dumps(layout)
-    write_file(path, tensors, {k: v for k, v in metadata.items() if k != "checksum"})
+    rewrite_layout(index, index.conversation(conversation.id).checkpoint_keys[0], damage)
 
     finished = turn(ConversationEngine(open_db(), words_model), conversation.id, "next", options)
     assert finished.restore.source == "recompute" and finished.restore.rejected
@@ -100,13 +93,11 @@ def test_a_changed_history_or_a_bad_snapshot_recomputes(sliding_model):
     turn(engine, conversation.id, "a first message longer than the sliding window", options)
 
     index = CacheIndex(open_db())
-    key = index.conversation(conversation.id).checkpoint_keys[0]
-    path = path_from_url(index.chunk(key)["url"])
-    tensors, metadata = read_file(path, {})
-    layout = json.loads(metadata["layout"])
-    layout[0]["class"] = "ForeignCache"
-    metadata["layout"] = json.dumps(layout)
-    write_file(path, tensors, {k: v for k, v in metadata.items() if k != "checksum"})
+    rewrite_layout(
+        index,
+        index.conversation(conversation.id).checkpoint_keys[0],
+        lambda layout: layout[0].update({"class": "ForeignCache"}),
+    )
     finished = turn(ConversationEngine(open_db(), sliding_model), conversation.id, "next", options)
     assert finished.restore.source == "recompute"
     assert "unknown cache class" in finished.restore.rejected

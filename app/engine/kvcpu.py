@@ -96,13 +96,6 @@ def _scratch_for(shape: tuple[int, ...]) -> np.ndarray:
     return held[:size].reshape(shape)
 
 
-def _product(x: np.ndarray, m: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """x @ m for one KV head, x (query group, k), m (k, n), through the OpenBLAS mlx
-    uses (`cpu_blas`: one matrix-vector product per query below 4 queries a KV head,
-    where a matrix product with so few rows took 1.7x as long here)."""
-    return cpu_blas.matmul(x, m, out)
-
-
 def _lane_order(x: np.ndarray, groups: int) -> np.ndarray:
     """(..., dim) in the 4-bit scratch's order: per group, even dimensions then odd."""
     *lead, dim = x.shape
@@ -167,7 +160,7 @@ def _bulk_scores(store, parts: list[np.ndarray], q: np.ndarray, out: np.ndarray)
     )
     for r, a, b, wide in _widened(store, parts[0], groups):
         for g in range(groups):
-            _product(by_group[r, :, g], wide[:, g].T, dots[r, g, :, a:b])
+            cpu_blas.matmul(by_group[r, :, g], wide[:, g].T, dots[r, g, :, a:b])
     if store.bits is None:
         return
     scales, biases = _scales(parts)
@@ -185,7 +178,7 @@ def _bulk_values(store, parts: list[np.ndarray], w: np.ndarray) -> np.ndarray:
     if store.bits is None:
         out = np.zeros((*w.shape[:2], parts[0].shape[-1]), np.float32)
         for r, a, b, wide in _widened(store, parts[0], 1):
-            out[r] += _product(w[r, :, a:b], wide[:, 0])
+            out[r] += cpu_blas.matmul(w[r, :, a:b], wide[:, 0])
         return out
     scales, biases = _scales(parts)
     groups = scales.shape[1]
@@ -195,6 +188,6 @@ def _bulk_values(store, parts: list[np.ndarray], w: np.ndarray) -> np.ndarray:
     weighted = w[:, :, None] * scales[:, None]  # (rows, query group, groups, tokens)
     for r, a, b, wide in _widened(store, parts[0], groups):
         for g in range(groups):
-            out[r, :, g] += _product(weighted[r, :, g, a:b], wide[:, g])
+            out[r, :, g] += cpu_blas.matmul(weighted[r, :, g, a:b], wide[:, g])
     out = out.reshape(*w.shape[:2], -1)
     return _in_order(out, groups) if store.bits == 4 else out
