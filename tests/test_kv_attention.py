@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from app.engine import kvattention, kvcpu, kvkernels
+from app.engine import kvattention, kvcpu, kvkernels, kvnative
 from app.engine.kvconvert import quantizer
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import APP_SCHEMES, KVScheme, scheme_for
@@ -167,7 +167,9 @@ def test_on_the_cpu_a_bulk_of_many_blocks_and_16_bit_halves_match_the_oracle(
 ):
     """`kvcpu` widens the bulk a block at a time: many small blocks (with a partial
     last one) give what one does, a half kept in 16 bits is read as such, and a
-    layer without a sink or window can hold no 16-bit row at all (224 = 7 x FLUSH)."""
+    layer without a sink or window can hold no 16-bit row at all (224 = 7 x FLUSH).
+    The numpy path's (the compiled one, kvnative, is tested in test_kv_native)."""
+    monkeypatch.setattr(kvnative, "enabled", False)
     monkeypatch.setattr(kvcpu, "_BLOCK_BYTES", 4 * dim * 24)
     mixed = [KVScheme(8, None, 64, sink=4, window=16), KVScheme(None, 4, 32, 4, 16, True)]
     for scheme, tokens in [

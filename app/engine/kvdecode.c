@@ -1,0 +1,260 @@
+/* A decode step's attention products over one KV head of the app's packed cache,
+ * read as stored: 4- or 8-bit codes with a float16 scale and bias per group of a
+ * row, or float16 rows (bits 16, no scales). Called through ctypes from
+ * app/engine/kvcpu.py, which checks every shape and stride it passes; the numpy
+ * code there is the fallback where this library was not built, and the oracle.
+ *
+ * Why C: in numpy every product over the codes first widens them to float32 in a
+ * scratch (a full write and read of four bytes a value), then hands the scratch
+ * to BLAS; here each row is widened into a few hundred bytes that stay in L1 and
+ * multiplied at once, so the codes are the only bytes read from memory.
+ *
+ * The maths, per group of a row (code c, scale s, bias b): q.(s c + b) = s (q.c)
+ * + b sum(q) for the scores; for the values, sum_t w_t (s_t c_t + b_t) is
+ * accumulated as (w_t s_t) c_t, with sum_t w_t b_t added per group at the end.
+ *
+ * Little-endian packing (mlx's): value i of a row is byte i (8 bits), or the low
+ * nibble of byte i / 2 for even i and the high one for odd i (4 bits).
+ */
+
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Limits kvcpu.py checks before calling (larger shapes take the numpy path). */
+#define MAX_DIM 1024
+#define MAX_QUERIES 64
+#define MAX_GROUPS 64
+#define LANES 8
+
+/* One build runs well on every x86-64 and uses AVX2 and FMA where the CPU has them. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* float16 bits as a float32: shifted 13 places up, a float16's exponent and
+ * mantissa are a float32's of the value times 2^-112 (subnormals included).
+ * Infinities and NaN come out finite, as in kvcpu._widen_half: a KV row never
+ * holds them. */
+static inline float half_to_float(uint16_t h)
+{
+    uint32_t magnitude = (uint32_t)(h & 0x7fff) << 13;
+    float f;
+    memcpy(&f, &magnitude, sizeof f);
+    f *= 0x1p112f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits |= (uint32_t)(h & 0x8000) << 16;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Row `row` of `dim` values as float32 into `out`. */
+static inline void widen_row(const uint8_t *restrict row, int dim, int bits,
+                             float *restrict out)
+{
+    if (bits == 8) {
+        for (int d = 0; d < dim; d++)
+            out[d] = (float)row[d];
+    } else if (bits == 4) {
+        for (int k = 0; k < dim / 2; k++) {
+            out[2 * k] = (float)(row[k] & 15);
+            out[2 * k + 1] = (float)(row[k] >> 4);
+        }
+    } else {
+        const uint16_t *halves = (const uint16_t *)row;
+        for (int d = 0; d < dim; d++)
+            out[d] = half_to_float(halves[d]);
+    }
+}
+
+/* Eight floats in one vector (GCC and Clang lower it to what the target has: two
+ * SSE or NEON registers, or one AVX one), loaded and stored unaligned. */
+typedef float v8 __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline v8 load8(const float *p)
+{
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* The lane sums of eight vectors: out[r] = sum of acc[r]'s lanes, by a tree of
+ * shuffles (pairs, then quads, then halves) where the compiler has them. */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define HAVE_SHUFFLE 1
+#endif
+#endif
+
+#ifdef HAVE_SHUFFLE
+#define SHUFFLE __builtin_shufflevector
+static inline v8 pairs(v8 a, v8 b)
+{
+    return SHUFFLE(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+static inline v8 quads(v8 a, v8 b)
+{
+    return SHUFFLE(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+}
+
+static inline v8 lane_sums(const v8 *acc)
+{
+    v8 low = quads(pairs(acc[0], acc[1]), pairs(acc[2], acc[3]));
+    v8 high = quads(pairs(acc[4], acc[5]), pairs(acc[6], acc[7]));
+    return SHUFFLE(low, high, 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+#else
+static inline v8 lane_sums(const v8 *acc)
+{
+    v8 out;
+    for (int r = 0; r < LANES; r++) {
+        float sum = 0;
+        for (int l = 0; l < LANES; l++)
+            sum += acc[r][l];
+        out[r] = sum;
+    }
+    return out;
+}
+#endif
+
+/* A group's scale and bias of token t (1 and 0 for float16 rows). */
+static inline void scale_bias(const uint16_t *scales, const uint16_t *biases,
+                              ptrdiff_t scale_stride, int t, int g, float *s, float *b)
+{
+    if (scales == NULL) {
+        *s = 1.0f;
+        *b = 0.0f;
+    } else {
+        *s = half_to_float(scales[t * scale_stride + g]);
+        *b = half_to_float(biases[t * scale_stride + g]);
+    }
+}
+
+/* Tokens go BLOCK at a time: their rows widened once into L1 and read by every
+ * query, each token's products a separate chain, so the FMA units never wait on
+ * one sum. */
+#define BLOCK 8
+_Static_assert(BLOCK == LANES, "lane_sums reduces one vector a row of a block");
+
+/* Rows [t, t + n) widened into `wide` (BLOCK rows of `dim`); rows past n zeroed. */
+static inline void widen_block(const uint8_t *rows, ptrdiff_t row_stride, int t, int n,
+                               int dim, int bits, float *wide)
+{
+    for (int r = 0; r < BLOCK; r++) {
+        if (r < n)
+            widen_row(rows + (t + r) * row_stride, dim, bits, wide + r * dim);
+        else
+            memset(wide + r * dim, 0, dim * sizeof(float));
+    }
+}
+
+/* out[j, t] = q_j . row_t for `tokens` rows `row_stride` bytes apart; scales and
+ * biases (NULL for float16 rows) hold `groups` values a token, `scale_stride`
+ * apart; q is (queries, dim), contiguous; out's rows are `out_stride` apart. */
+VECTOR_CLONES
+void reprise_kv_scores(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
+                       const uint16_t *biases, ptrdiff_t scale_stride, int tokens, int dim,
+                       int bits, int groups, const float *q, int queries, float *out,
+                       ptrdiff_t out_stride)
+{
+    int size = dim / groups;
+    float sums[MAX_QUERIES * MAX_GROUPS];
+    for (int j = 0; j < queries; j++)
+        for (int g = 0; g < groups; g++) {
+            float sum = 0;
+            for (int d = 0; d < size; d++)
+                sum += q[j * dim + g * size + d];
+            sums[j * groups + g] = sum;
+        }
+    float wide[BLOCK * MAX_DIM];
+    for (int t = 0; t < tokens; t += BLOCK) {
+        int n = tokens - t < BLOCK ? tokens - t : BLOCK;
+        widen_block(rows, row_stride, t, n, dim, bits, wide);
+        for (int g = 0; g < groups; g++) {
+            float s[BLOCK], b[BLOCK];
+            for (int r = 0; r < n; r++)
+                scale_bias(scales, biases, scale_stride, t + r, g, &s[r], &b[r]);
+            for (int j = 0; j < queries; j++) {
+                const float *qg = q + j * dim + g * size;
+                v8 acc[BLOCK] = {{0}};
+                for (int i = 0; i < size; i += LANES) {
+                    v8 qv = load8(qg + i);
+                    for (int r = 0; r < BLOCK; r++)
+                        acc[r] += qv * load8(wide + r * dim + g * size + i);
+                }
+                v8 dots = lane_sums(acc);
+                float *into = out + j * out_stride + t;
+                for (int r = 0; r < n; r++) {
+                    float score = s[r] * dots[r] + b[r] * sums[j * groups + g];
+                    into[r] = g == 0 ? score : into[r] + score;
+                }
+            }
+        }
+    }
+}
+
+/* out[j] += sum_t w[j, t] row_t, rows and scales as for the scores; w's rows are
+ * `w_stride` apart; out is (queries, dim), contiguous. */
+VECTOR_CLONES
+void reprise_kv_values(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
+                       const uint16_t *biases, ptrdiff_t scale_stride, int tokens, int dim,
+                       int bits, int groups, const float *w, ptrdiff_t w_stride, int queries,
+                       float *out)
+{
+    int size = dim / groups;
+    float bias_terms[MAX_QUERIES * MAX_GROUPS] = {0};
+    float wide[BLOCK * MAX_DIM];
+    for (int t = 0; t < tokens; t += BLOCK) {
+        int n = tokens - t < BLOCK ? tokens - t : BLOCK;
+        widen_block(rows, row_stride, t, n, dim, bits, wide);
+        for (int g = 0; g < groups; g++) {
+            float s[BLOCK], b[BLOCK];
+            for (int r = 0; r < n; r++)
+                scale_bias(scales, biases, scale_stride, t + r, g, &s[r], &b[r]);
+            for (int j = 0; j < queries; j++) {
+                const float *weights = w + j * w_stride + t;
+                float ws[BLOCK] = {0};  /* rows past n weigh nothing */
+                for (int r = 0; r < n; r++) {
+                    ws[r] = weights[r] * s[r];
+                    bias_terms[j * groups + g] += weights[r] * b[r];
+                }
+                float *into = out + j * dim + g * size;
+                for (int i = 0; i < size; i += LANES) {
+                    v8 acc = load8(into + i);
+                    for (int r = 0; r < BLOCK; r++)
+                        acc += ws[r] * load8(wide + r * dim + g * size + i);
+                    store8(into + i, acc);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < queries; j++)
+        for (int g = 0; g < groups; g++)
+            for (int d = 0; d < size; d++)
+                out[j * dim + g * size + d] += bias_terms[j * groups + g];
+}
+
+/* The limits above, for kvcpu.py to check against. */
+int reprise_kv_limit(int which)
+{
+    switch (which) {
+    case 0: return MAX_DIM;
+    case 1: return MAX_QUERIES;
+    case 2: return MAX_GROUPS;
+    default: return LANES;
+    }
+}
+
+/* Built as an extension module so that packaging finds it with the package; it is
+ * loaded through ctypes and has no Python functions. */
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvdecode", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__kvdecode(void) { return PyModule_Create(&module); }

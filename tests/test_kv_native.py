@@ -1,0 +1,120 @@
+"""The compiled products of the CPU path's packed-cache attention (app/engine/kvdecode.c
+through kvnative) against plain numpy arithmetic on the same codes, and the decode
+step that uses them against the dequantized oracle, with the library and without."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from app.engine import kvattention, kvnative
+from app.engine.kvquant import MixedKVCache
+from app.engine.kvscheme import APP_SCHEMES, KVScheme
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU path's products")
+
+
+def packed_rows(bits: int | None, heads: int, tokens: int, dim: int, group: int, room: int = 19):
+    """Rows of `heads` KV heads as a TokenStore holds them: a buffer with room past
+    its tokens (so each head's rows are a strided slice), quantized or float16; and
+    the values they stand for, as float32 numpy (heads, tokens, dim)."""
+    x = mx.random.normal((1, heads, tokens + room, dim), key=mx.random.key(tokens + dim))
+    x = (x * mx.where(mx.arange(dim) == 5, 9.0, 1.0)).astype(mx.float16)
+    if bits is None:
+        buffers, wide = [x], x.astype(mx.float32)
+    else:
+        buffers = list(mx.quantize(x, group_size=group, bits=bits))
+        codes, scales, biases = buffers  # dequantized in float32, as the C computes
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+        wide = mx.dequantize(codes, scales, biases, group_size=group, bits=bits)
+    mx.eval(buffers, wide)
+    views = [np.asarray(b)[0, :, 3 : 3 + tokens] for b in buffers]  # a sliced token span
+    return kvnative.Rows(bits, views), np.asarray(wide)[0, :, 3 : 3 + tokens]
+
+
+CASES = [  # (bits, dim, group, queries, tokens): partial blocks of 8, 1 to 9 queries
+    (8, 64, 64, 3, 2053),
+    (8, 128, 32, 1, 17),
+    (4, 64, 32, 3, 301),
+    (4, 128, 128, 8, 1),
+    (4, 96, 32, 9, 64),
+    (None, 64, 64, 3, 131),
+    (None, 256, 256, 2, 7),
+]
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+@pytest.mark.parametrize(("bits", "dim", "group", "queries", "tokens"), CASES, ids=str)
+def test_scores_and_values_equal_numpy_on_the_dequantized_rows(bits, dim, group, queries, tokens):
+    heads = 3
+    rows, wide = packed_rows(bits, heads, tokens, dim, group)
+    assert rows.fits(queries)
+    rng = np.random.default_rng(tokens)
+    q = rng.standard_normal((heads, queries, dim), np.float32)
+    w = rng.random((heads, queries, tokens + 5), np.float32)[..., 2 : 2 + tokens]
+    scores = np.full((heads, queries, tokens + 4), np.nan, np.float32)
+    out = np.ones((heads, queries, dim), np.float32)
+    for head in range(heads):
+        kvnative.scores(rows, head, q[head], scores[head, :, 4:])
+        kvnative.values(rows, head, w[head], out[head])
+    want_scores = np.einsum("hqd,htd->hqt", q, wide)
+    np.testing.assert_allclose(scores[..., 4:], want_scores, rtol=1e-4, atol=1e-3)
+    assert np.isnan(scores[..., :4]).all()  # nothing written outside the given span
+    np.testing.assert_allclose(out, 1 + np.einsum("hqt,htd->hqd", w, wide), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+def test_shapes_the_library_does_not_take_are_refused_before_any_call():
+    rows, _ = packed_rows(8, 2, 40, 64, 64)
+    assert rows.fits(3)
+    assert not rows.fits(65)  # more queries a KV head than it holds sums for
+    wide, _ = packed_rows(None, 1, 4, 2048, 2048)
+    assert not wide.fits(1)  # a row wider than its scratch
+    with pytest.raises(ValueError, match="do not fit"):
+        kvnative.scores(rows, 0, np.zeros((3, 32), np.float32), np.zeros((3, 40), np.float32))
+    with pytest.raises(ValueError, match="do not fit"):
+        kvnative.values(rows, 0, np.zeros((3, 39), np.float32), np.zeros((3, 64), np.float32))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build it with")
+def test_a_checkout_with_a_compiler_builds_and_uses_the_library(monkeypatch):
+    """`make setup` compiles kvdecode.c; a decode step over a packed cache calls it."""
+    assert kvnative.available()
+    calls = []
+    original = kvnative.scores
+    monkeypatch.setattr(kvnative, "scores", lambda *a: calls.append(a) or original(*a))
+    layer = _filled(APP_SCHEMES["8-bit"])
+    queries = mx.random.normal((1, 4, 1, 64), key=mx.random.key(3))
+    layer.attend(queries, 0.125, None)
+    assert len(calls) == 2 * 2  # exact rows and bulk, for each of 2 KV heads
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["library", "numpy"])
+def test_a_decode_step_matches_the_oracle_with_and_without_the_library(monkeypatch, native):
+    if native and not kvnative.available():
+        pytest.skip("the library was not built here")
+    monkeypatch.setattr(kvnative, "enabled", native)
+    mixed = [KVScheme(8, None, 64, sink=4, window=16), KVScheme(None, 4, 32, 4, 16, True)]
+    for scheme in [*APP_SCHEMES.values(), *mixed, KVScheme(8, 4, 32)]:
+        layer = _filled(scheme)
+        queries = mx.random.normal((1, 4, 1, 64), key=mx.random.key(9))
+        got = layer.attend(queries, 0.125, None)
+        keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
+        want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125)
+        assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), scheme.format
+
+
+def _filled(scheme: KVScheme) -> MixedKVCache:
+    """A layer of 2 KV heads after a prefill of 320 tokens and 13 decode steps."""
+    layer = MixedKVCache(scheme)
+    keys = mx.random.normal((1, 2, 333, 64), key=mx.random.key(1))
+    values = mx.random.normal((1, 2, 333, 64), key=mx.random.key(2))
+    layer.update_and_fetch(keys[..., :320, :], values[..., :320, :])
+    for t in range(320, 333):
+        layer.update_and_fetch(keys[..., t : t + 1, :], values[..., t : t + 1, :])
+    mx.eval(layer.state)
+    assert kvattention._on_the_cpu_path(layer.layout(), mx.zeros((1, 4, 1, 64)))
+    return layer
