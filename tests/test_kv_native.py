@@ -73,6 +73,8 @@ def test_shapes_the_library_does_not_take_are_refused_before_any_call():
     assert not rows.fits(65)  # more queries a KV head than it holds sums for
     wide, _ = packed_rows(None, 1, 4, 2048, 2048)
     assert not wide.fits(1)  # a row wider than its scratch
+    short = kvnative.Rows(8, [rows.codes, rows.scales[:, :-1], rows.biases[:, :-1]])
+    assert not short.fits(3)  # scales for fewer tokens than codes: never read past them
     with pytest.raises(ValueError, match="do not fit"):
         kvnative.scores(rows, 0, np.zeros((3, 32), np.float32), np.zeros((3, 40), np.float32))
     with pytest.raises(ValueError, match="do not fit"):

@@ -80,6 +80,7 @@ class Rows:
                 self.scales is None
                 or (
                     self.scales.dtype == self.biases.dtype == np.float16
+                    and self.scales.shape == self.biases.shape == (*codes.shape[:2], self.groups)
                     and self.scales.strides == self.biases.strides
                     and self.scales.strides[-1] == 2
                 )
