@@ -73,6 +73,15 @@ def _quality(change: float) -> str:
     return f"Answers stay close: perplexity {change * 100:+.1f}% (lower is surer)."
 
 
+def _speed(ratio: float) -> str:
+    """A decode speed against full precision's, in words (within 2%: measurement noise)."""
+    if abs(ratio - 1) < 0.02:
+        return "Replies come about as fast."
+    if ratio > 1:
+        return f"Replies come {ratio - 1:.0%} faster."
+    return f"Replies come {1 - ratio:.0%} slower."
+
+
 def kv_tradeoffs(path: Traversable = KV_FIGURES["cpu"], device: str = "cpu") -> dict:
     """One plain line per KV choice, from the figures `reprise bench kv` measured."""
     lines = {None: "Full precision: the most memory; answers as the model gives them."}
@@ -90,7 +99,7 @@ def kv_tradeoffs(path: Traversable = KV_FIGURES["cpu"], device: str = "cpu") -> 
             lines[int(label.split("-")[0])] = (
                 f"{row['kv_bytes'] / base['kv_bytes']:.0%} of the memory of full precision. "
                 f"{_quality(row['ppl'] / base['ppl'] - 1)} "
-                f"Replies come {row['decode_tps'] / base['decode_tps']:.2f}x as fast. "
+                f"{_speed(row['decode_tps'] / base['decode_tps'])} "
                 f"Measured with {where}."
             )
     except (OSError, ValueError, KeyError, TypeError):
