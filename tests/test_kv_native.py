@@ -81,6 +81,28 @@ def test_shapes_the_library_does_not_take_are_refused_before_any_call():
         kvnative.values(rows, 0, np.zeros((3, 39), np.float32), np.zeros((3, 64), np.float32))
 
 
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_rows_of_a_width_the_library_does_not_read_are_refused(bits):
+    """The C reads 4- and 8-bit codes and float16 rows; it would read rows of any other
+    width as float16, several times past each row's bytes."""
+    codes = np.zeros((1, 16, 2 * bits), np.uint32)  # 64 values a row, one group
+    scales = np.ones((1, 16, 1), np.float16)
+    assert not kvnative.Rows(bits, [codes, scales, scales.copy()]).fits(1)
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+def test_the_products_hold_to_the_library_limits_whoever_calls_them():
+    """`scores` and `values` refuse what `fits` refuses, not only kvcpu's calls after it:
+    more queries than the C holds sums for (one group here, so that the C would still
+    stay inside its arrays if called)."""
+    rows, _ = packed_rows(8, 1, 9, 64, 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        kvnative.scores(rows, 0, np.zeros((65, 64), np.float32), np.zeros((65, 9), np.float32))
+    with pytest.raises(ValueError, match="do not fit"):
+        kvnative.values(rows, 0, np.zeros((65, 9), np.float32), np.zeros((65, 64), np.float32))
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build it with")
 def test_a_checkout_with_a_compiler_builds_and_uses_the_library(monkeypatch):
     """`make setup` compiles kvdecode.c; a decode step over a packed cache calls it."""
