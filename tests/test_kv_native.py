@@ -5,6 +5,10 @@ step that uses them against the dequantized oracle, with the library and without
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -101,6 +105,37 @@ def test_the_products_hold_to_the_library_limits_whoever_calls_them():
         kvnative.scores(rows, 0, np.zeros((65, 64), np.float32), np.zeros((65, 9), np.float32))
     with pytest.raises(ValueError, match="do not fit"):
         kvnative.values(rows, 0, np.zeros((65, 9), np.float32), np.zeros((65, 64), np.float32))
+
+
+# kvdecode.c built as others may build it: a packager's CFLAGS that stop inlining (the
+# AVX2 clone then calls helpers compiled for plain x86-64), a compiler without
+# __builtin_shufflevector (GCC before 12: the portable lane sums).
+BUILDS = {"no inlining": ["-O3", "-fno-inline"], "portable sums": ["-O3", "-U__has_builtin"]}
+SOURCE = Path(__file__).parents[1] / "app" / "engine" / "kvdecode.c"
+CHECK = """import sys
+sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
+import app.engine
+from app.engine import kvnative
+kvnative._library, kvnative._tried = kvnative._open(sys.argv[1]), True
+import test_kv_native as t
+for case in t.CASES:
+    t.test_scores_and_values_equal_numpy_on_the_dequantized_rows(*case)
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build it with")
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU path's products")
+@pytest.mark.parametrize("flags", BUILDS.values(), ids=BUILDS.keys())
+def test_the_library_built_other_ways_gives_the_same_products(tmp_path, flags):
+    """Built here with `flags`, then checked in a child process: a crash fails the test."""
+    include = sysconfig.get_paths()["include"]
+    built = tmp_path / "kvdecode.so"
+    command = ["cc", *flags, "-shared", "-fPIC", f"-I{include}", str(SOURCE), "-o", str(built)]
+    subprocess.run(command, check=True, capture_output=True)
+    root = str(SOURCE.parents[2])
+    check = [sys.executable, "-c", CHECK, str(built), root]
+    done = subprocess.run(check, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build it with")
