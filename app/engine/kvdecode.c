@@ -28,9 +28,15 @@
 #define MAX_GROUPS 64
 #define LANES 8
 
-/* One build runs well on every x86-64 and uses AVX2 and FMA where the CPU has them. */
+/* One build runs well on every x86-64 and uses AVX2 and FMA where the CPU has them.
+ * GCC before 12 has no dispatcher for x86-64-v3 (the file would not build at all,
+ * as with Ubuntu 22.04's GCC 11): there the clone uses AVX2 alone. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#if __GNUC__ >= 12
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
 #else
 #define VECTOR_CLONES
 #endif
