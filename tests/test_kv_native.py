@@ -175,6 +175,38 @@ def test_a_decode_step_matches_the_oracle_with_and_without_the_library(monkeypat
         assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), scheme.format
 
 
+EDGES = {  # (scheme, batch, query heads a KV head, tokens, sliding window): library or not
+    "batch of 2": (APP_SCHEMES["4-bit"], 2, 3, 333, {}, True),
+    "no 16-bit row": (KVScheme(8, 8, 64), 1, 2, 320, {}, True),
+    "front dropped": (APP_SCHEMES["8-bit"], 1, 2, 300, {"max_size": 160, "keep": 4}, True),
+    "65 query heads": (APP_SCHEMES["8-bit"], 1, 65, 200, {}, False),
+}
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+@pytest.mark.parametrize("edge", EDGES.values(), ids=EDGES.keys())
+def test_a_decode_step_at_the_edges_of_a_layout_matches_the_oracle(monkeypatch, edge):
+    """Layouts the C must read right or leave to numpy: every head of a batch, a layer
+    whose tokens are all quantized (no exact row), a sliding window whose buffers
+    start past their front, more query heads a KV head than the C holds sums for."""
+    scheme, batch, ratio, tokens, window, native = edge
+    calls = []
+    original = kvnative.values
+    monkeypatch.setattr(kvnative, "values", lambda *a: calls.append(a[0]) or original(*a))
+    layer = MixedKVCache(scheme, **window)
+    keys, values = (mx.random.normal((batch, 2, tokens, 64), key=mx.random.key(k)) for k in (1, 2))
+    layer.update_and_fetch(keys[..., :-1, :], values[..., :-1, :])
+    layer.update_and_fetch(keys[..., -1:, :], values[..., -1:, :])
+    assert not window or layer.bulk[0].lo > 0  # the window's buffers start past their front
+    queries = mx.random.normal((batch, 2 * ratio, 1, 64), key=mx.random.key(3))
+    got = layer.attend(queries, 0.125, None)
+    keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+    assert len(calls) == (2 * 2 * batch if native else 0)  # exact rows and bulk, each KV head
+    assert native is False or (calls[0].tokens == 0) == (scheme.window == 0)
+
+
 def _filled(scheme: KVScheme) -> MixedKVCache:
     """A layer of 2 KV heads after a prefill of 320 tokens and 13 decode steps."""
     layer = MixedKVCache(scheme)
