@@ -5,6 +5,10 @@ step that uses them against the dequantized oracle, with the library and without
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -81,7 +85,71 @@ def test_shapes_the_library_does_not_take_are_refused_before_any_call():
         kvnative.values(rows, 0, np.zeros((3, 39), np.float32), np.zeros((3, 64), np.float32))
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build it with")
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_rows_of_a_width_the_library_does_not_read_are_refused(bits):
+    """The C reads 4- and 8-bit codes and float16 rows; it would read rows of any other
+    width as float16, several times past each row's bytes."""
+    codes = np.zeros((1, 16, 2 * bits), np.uint32)  # 64 values a row, one group
+    scales = np.ones((1, 16, 1), np.float16)
+    assert not kvnative.Rows(bits, [codes, scales, scales.copy()]).fits(1)
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+def test_the_products_hold_to_the_library_limits_whoever_calls_them():
+    """`scores` and `values` refuse what `fits` refuses, not only kvcpu's calls after it:
+    more queries than the C holds sums for (one group here, so that the C would still
+    stay inside its arrays if called)."""
+    rows, _ = packed_rows(8, 1, 9, 64, 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        kvnative.scores(rows, 0, np.zeros((65, 64), np.float32), np.zeros((65, 9), np.float32))
+    with pytest.raises(ValueError, match="do not fit"):
+        kvnative.values(rows, 0, np.zeros((65, 9), np.float32), np.zeros((65, 64), np.float32))
+
+
+# kvdecode.c built as others may build it: a packager's CFLAGS that stop inlining (the
+# AVX2 clone then calls helpers compiled for plain x86-64), a compiler without
+# __builtin_shufflevector (the portable lane sums), GCC 11 (Ubuntu 22.04's: no
+# dispatcher for x86-64-v3 clones), Clang (macOS's: no clones). One not here is skipped.
+BUILDS = {
+    "no inlining": ("cc", "-O3", "-fno-inline"),
+    "portable sums": ("cc", "-O3", "-U__has_builtin"),
+    "gcc 11": ("gcc-11", "-O3"),
+    "clang": (shutil.which("clang") or "clang-14", "-O3"),
+}
+SOURCE = Path(__file__).parents[1] / "app" / "engine" / "kvdecode.c"
+# Python's headers too: without them (no python3-dev) setup.py skips the extension.
+HEADERS = Path(sysconfig.get_paths()["include"], "Python.h").exists()
+CHECK = """import sys
+sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
+import app.engine
+from app.engine import kvnative
+kvnative._library, kvnative._tried = kvnative._open(sys.argv[1]), True
+import test_kv_native as t
+for case in t.CASES:
+    t.test_scores_and_values_equal_numpy_on_the_dequantized_rows(*case)
+"""
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU path's products")
+@pytest.mark.parametrize("build", BUILDS.values(), ids=BUILDS.keys())
+def test_the_library_built_other_ways_gives_the_same_products(tmp_path, build):
+    """Built here, then checked in a child process: a crash fails the test."""
+    compiler, *flags = build
+    if shutil.which(compiler) is None or not HEADERS:
+        pytest.skip(f"no {compiler} or no Python headers here")
+    include = sysconfig.get_paths()["include"]
+    built = tmp_path / "kvdecode.so"
+    command = [compiler, *flags, "-Wno-psabi", "-shared", "-fPIC", f"-I{include}"]
+    done = subprocess.run([*command, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    root = str(SOURCE.parents[2])
+    check = [sys.executable, "-c", CHECK, str(built), root]
+    done = subprocess.run(check, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or not HEADERS, reason="nothing to build it with")
 def test_a_checkout_with_a_compiler_builds_and_uses_the_library(monkeypatch):
     """`make setup` compiles kvdecode.c; a decode step over a packed cache calls it."""
     assert kvnative.available()
@@ -107,6 +175,38 @@ def test_a_decode_step_matches_the_oracle_with_and_without_the_library(monkeypat
         keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
         want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125)
         assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), scheme.format
+
+
+EDGES = {  # (scheme, batch, query heads a KV head, tokens, sliding window): library or not
+    "batch of 2": (APP_SCHEMES["4-bit"], 2, 3, 333, {}, True),
+    "no 16-bit row": (KVScheme(8, 8, 64), 1, 2, 320, {}, True),
+    "front dropped": (APP_SCHEMES["8-bit"], 1, 2, 300, {"max_size": 160, "keep": 4}, True),
+    "65 query heads": (APP_SCHEMES["8-bit"], 1, 65, 200, {}, False),
+}
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+@pytest.mark.parametrize("edge", EDGES.values(), ids=EDGES.keys())
+def test_a_decode_step_at_the_edges_of_a_layout_matches_the_oracle(monkeypatch, edge):
+    """Layouts the C must read right or leave to numpy: every head of a batch, a layer
+    whose tokens are all quantized (no exact row), a sliding window whose buffers
+    start past their front, more query heads a KV head than the C holds sums for."""
+    scheme, batch, ratio, tokens, window, native = edge
+    calls = []
+    original = kvnative.values
+    monkeypatch.setattr(kvnative, "values", lambda *a: calls.append(a[0]) or original(*a))
+    layer = MixedKVCache(scheme, **window)
+    keys, values = (mx.random.normal((batch, 2, tokens, 64), key=mx.random.key(k)) for k in (1, 2))
+    layer.update_and_fetch(keys[..., :-1, :], values[..., :-1, :])
+    layer.update_and_fetch(keys[..., -1:, :], values[..., -1:, :])
+    assert not window or layer.bulk[0].lo > 0  # the window's buffers start past their front
+    queries = mx.random.normal((batch, 2 * ratio, 1, 64), key=mx.random.key(3))
+    got = layer.attend(queries, 0.125, None)
+    keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+    assert len(calls) == (2 * 2 * batch if native else 0)  # exact rows and bulk, each KV head
+    assert native is False or (calls[0].tokens == 0) == (scheme.window == 0)
 
 
 def _filled(scheme: KVScheme) -> MixedKVCache:

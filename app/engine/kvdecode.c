@@ -28,9 +28,15 @@
 #define MAX_GROUPS 64
 #define LANES 8
 
-/* One build runs well on every x86-64 and uses AVX2 and FMA where the CPU has them. */
+/* One build runs well on every x86-64 and uses AVX2 and FMA where the CPU has them.
+ * GCC before 12 has no dispatcher for x86-64-v3 (the file would not build at all,
+ * as with Ubuntu 22.04's GCC 11): there the clone uses AVX2 alone. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#if __GNUC__ >= 12
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
 #else
 #define VECTOR_CLONES
 #endif
@@ -75,14 +81,20 @@ static inline void widen_row(const uint8_t *restrict row, int dim, int bits,
  * SSE or NEON registers, or one AVX one), loaded and stored unaligned. */
 typedef float v8 __attribute__((vector_size(LANES * sizeof(float))));
 
-static inline v8 load8(const float *p)
+/* The helpers that take or return a v8 are always inlined: one compiled once for
+ * plain x86-64 passes a v8 in memory, while the AVX2 clone that calls it passes it
+ * in a register, so a call that is not inlined (-O0, -fno-inline) reads garbage
+ * pointers. Inlined, no call crosses that ABI (setup.py silences -Wpsabi's notes). */
+#define VECTOR_INLINE static inline __attribute__((always_inline))
+
+VECTOR_INLINE v8 load8(const float *p)
 {
     v8 v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+VECTOR_INLINE void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
 /* The lane sums of eight vectors: out[r] = sum of acc[r]'s lanes, by a tree of
  * shuffles (pairs, then quads, then halves) where the compiler has them. */
@@ -94,17 +106,17 @@ static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
 #ifdef HAVE_SHUFFLE
 #define SHUFFLE __builtin_shufflevector
-static inline v8 pairs(v8 a, v8 b)
+VECTOR_INLINE v8 pairs(v8 a, v8 b)
 {
     return SHUFFLE(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
 }
 
-static inline v8 quads(v8 a, v8 b)
+VECTOR_INLINE v8 quads(v8 a, v8 b)
 {
     return SHUFFLE(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
 }
 
-static inline v8 lane_sums(const v8 *acc)
+VECTOR_INLINE v8 lane_sums(const v8 *acc)
 {
     v8 low = quads(pairs(acc[0], acc[1]), pairs(acc[2], acc[3]));
     v8 high = quads(pairs(acc[4], acc[5]), pairs(acc[6], acc[7]));
@@ -112,7 +124,7 @@ static inline v8 lane_sums(const v8 *acc)
            SHUFFLE(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 #else
-static inline v8 lane_sums(const v8 *acc)
+VECTOR_INLINE v8 lane_sums(const v8 *acc)
 {
     v8 out;
     for (int r = 0; r < LANES; r++) {

@@ -2,9 +2,10 @@
 
 kvcpu calls `scores` and `values` for one KV head at a time on numpy views of
 the cache's own buffers. Every pointer and stride handed to C is taken from a
-numpy array here, after the checks in `fits`, so the library reads only what
-those arrays hold. Where the library was not built (no C compiler at install)
-or `REPRISE_KV_NATIVE=off`, `available()` is False and kvcpu keeps its numpy code.
+numpy array here, after the checks in `fits` (which `scores` and `values` make
+on every call), so the library reads only what those arrays hold. Where the
+library was not built (no C compiler at install) or `REPRISE_KV_NATIVE=off`,
+`available()` is False and kvcpu keeps its numpy code.
 """
 
 from __future__ import annotations
@@ -30,13 +31,20 @@ def _load() -> ctypes.CDLL | None:
             from app.engine import _kvdecode
         except ImportError:
             return None
-        library = ctypes.CDLL(_kvdecode.__file__)
-        library.reprise_kv_scores.argtypes = [*_ROWS, _FLOAT_P, _INT, _FLOAT_P, _SIZE]
-        library.reprise_kv_values.argtypes = [*_ROWS, _FLOAT_P, _SIZE, _INT, _FLOAT_P]
-        library.reprise_kv_scores.restype = library.reprise_kv_values.restype = None
-        library.reprise_kv_limit.argtypes, library.reprise_kv_limit.restype = [_INT], _INT
-        _library = library
+        _library = _open(_kvdecode.__file__)
     return _library
+
+
+def _open(path: str) -> ctypes.CDLL:
+    """The library at `path` with its functions' C types, and its limits read once
+    (`limits`: row width, queries, groups, lanes), as every call checks them."""
+    library = ctypes.CDLL(path)
+    library.reprise_kv_scores.argtypes = [*_ROWS, _FLOAT_P, _INT, _FLOAT_P, _SIZE]
+    library.reprise_kv_values.argtypes = [*_ROWS, _FLOAT_P, _SIZE, _INT, _FLOAT_P]
+    library.reprise_kv_scores.restype = library.reprise_kv_values.restype = None
+    library.reprise_kv_limit.argtypes, library.reprise_kv_limit.restype = [_INT], _INT
+    library.limits = tuple(library.reprise_kv_limit(which) for which in range(4))
+    return library
 
 
 def available() -> bool:
@@ -55,38 +63,42 @@ class Rows:
         self.groups = 1 if bits is None else parts[1].shape[-1]
         self.dim = self.codes.shape[-1] * self.codes.itemsize * 8 // self.bits
         self.tokens = self.codes.shape[1]
+        self._readable: bool | None = None  # worked out by the first `fits`
 
     def fits(self, queries: int) -> bool:
-        """Whether the C takes these rows: its limits, whole lanes per group, and each
-        token's codes (and scales) contiguous, biases laid out as the scales."""
+        """Whether the C takes these rows for `queries` queries a KV head: its limits,
+        whole lanes per group, a width it reads (4 or 8 bits with scales, float16 rows
+        without), each token's codes (and scales) contiguous, biases laid out as the
+        scales. The rows are looked at once; `scores` and `values` ask on every call."""
         library = _load()
         if library is None:
             return False
-        limit = library.reprise_kv_limit
-        size = self.dim // self.groups
-        shapes_fit = (
-            self.dim <= limit(0)
-            and queries <= limit(1)
-            and self.groups <= limit(2)
-            and size % limit(3) == 0
+        if self._readable is None:
+            self._readable = self._shapes_fit(library.limits) and self._laid_out()
+        return self._readable and 0 < queries <= library.limits[1]
+
+    def _shapes_fit(self, limits: tuple[int, ...]) -> bool:
+        max_dim, _, max_groups, lanes = limits
+        return (
+            0 < self.groups <= max_groups
+            and self.dim <= max_dim
             and self.dim % self.groups == 0
+            and self.dim // self.groups % lanes == 0
         )
-        codes = self.codes
-        typed = codes.dtype == (np.float16 if self.bits == 16 else np.uint32)
-        laid_out = (
-            typed
-            and codes.strides[-1] == codes.itemsize
-            and (
-                self.scales is None
-                or (
-                    self.scales.dtype == self.biases.dtype == np.float16
-                    and self.scales.shape == self.biases.shape == (*codes.shape[:2], self.groups)
-                    and self.scales.strides == self.biases.strides
-                    and self.scales.strides[-1] == 2
-                )
-            )
+
+    def _laid_out(self) -> bool:
+        codes, scales, biases = self.codes, self.scales, self.biases
+        if scales is None:
+            return self.bits == 16 and codes.dtype == np.float16 and codes.strides[-1] == 2
+        return (
+            self.bits in (4, 8)
+            and codes.dtype == np.uint32
+            and codes.strides[-1] == 4
+            and scales.dtype == biases.dtype == np.float16
+            and scales.shape == biases.shape == (*codes.shape[:2], self.groups)
+            and scales.strides == biases.strides
+            and scales.strides[-1] == 2
         )
-        return shapes_fit and laid_out
 
     def _arguments(self, head: int) -> list:
         scales = (None, None, 0) if self.scales is None else (
@@ -103,7 +115,7 @@ class Rows:
 def scores(rows: Rows, head: int, q: np.ndarray, out: np.ndarray) -> None:
     """out = q @ rowsᵀ for KV head `head`: q (queries, dim) contiguous float32, out
     (queries, tokens) float32 with contiguous rows."""
-    _require(q.dtype == out.dtype == np.float32 and q.flags.c_contiguous)
+    _require(rows.fits(len(q)) and q.dtype == out.dtype == np.float32 and q.flags.c_contiguous)
     _require(out.strides[-1] == 4 and out.shape == (len(q), rows.tokens) and q.shape[1] == rows.dim)
     _load().reprise_kv_scores(
         *rows._arguments(head), q.ctypes.data, len(q), out.ctypes.data, out.strides[0] // 4
@@ -113,7 +125,7 @@ def scores(rows: Rows, head: int, q: np.ndarray, out: np.ndarray) -> None:
 def values(rows: Rows, head: int, w: np.ndarray, out: np.ndarray) -> None:
     """out += w @ rows for KV head `head`: w (queries, tokens) float32 with contiguous
     rows, out (queries, dim) contiguous float32."""
-    _require(w.dtype == out.dtype == np.float32 and w.strides[-1] == 4)
+    _require(rows.fits(len(w)) and w.dtype == out.dtype == np.float32 and w.strides[-1] == 4)
     _require(w.shape[1] == rows.tokens and out.flags.c_contiguous)
     _require(out.shape == (len(w), rows.dim))
     _load().reprise_kv_values(
@@ -122,6 +134,7 @@ def values(rows: Rows, head: int, w: np.ndarray, out: np.ndarray) -> None:
 
 
 def _require(condition: bool) -> None:
-    """The C reads what the arrays' shapes say: a mismatch is a bug, never read past."""
+    """The C reads what the arrays' shapes say, within its limits: a mismatch is a bug,
+    never read past."""
     if not condition:
         raise ValueError("arrays do not fit the packed-cache products")
