@@ -220,3 +220,19 @@ def _filled(scheme: KVScheme) -> MixedKVCache:
     mx.eval(layer.state)
     assert kvattention._on_the_cpu_path(layer.layout(), mx.zeros((1, 4, 1, 64)))
     return layer
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or not HEADERS, reason="nothing to build it with")
+def test_a_library_built_for_other_arguments_is_not_called(tmp_path):
+    """A stale build beside newer Python (its arguments changed since) is refused,
+    and the numpy path runs, rather than the C called with the wrong arguments."""
+    include = sysconfig.get_paths()["include"]
+    stale = tmp_path / "stale.so"
+    command = ["cc", "-O1", "-Wno-psabi", "-shared", "-fPIC", f"-I{include}"]
+    command += [f"-DREPRISE_KV_ABI={kvnative.ABI + 1}", str(SOURCE), "-o", str(stale)]
+    assert subprocess.run(command, capture_output=True).returncode == 0
+    assert kvnative._open(str(stale)) is None
+    current = tmp_path / "current.so"
+    command[-3:] = [f"-DREPRISE_KV_ABI={kvnative.ABI}", str(SOURCE), "-o", str(current)]
+    assert subprocess.run(command, capture_output=True).returncode == 0
+    assert kvnative._open(str(current)).limits[1] == 64

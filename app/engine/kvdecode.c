@@ -254,14 +254,21 @@ void reprise_kv_values(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t
                 out[j * dim + g * size + d] += bias_terms[j * groups + g];
 }
 
-/* The limits above, for kvcpu.py to check against. */
+/* The version of the two functions' arguments: kvnative.py refuses a library of
+ * another (a stale build beside newer Python) rather than call it wrongly. */
+#ifndef REPRISE_KV_ABI
+#define REPRISE_KV_ABI 1
+#endif
+
+/* The limits above and the version, for kvnative.py to check against. */
 int reprise_kv_limit(int which)
 {
     switch (which) {
     case 0: return MAX_DIM;
     case 1: return MAX_QUERIES;
     case 2: return MAX_GROUPS;
-    default: return LANES;
+    case 3: return LANES;
+    default: return REPRISE_KV_ABI;
     }
 }
 

@@ -19,6 +19,7 @@ _INT, _SIZE, _FLOAT_P, _P = ctypes.c_int, ctypes.c_ssize_t, ctypes.c_void_p, cty
 _ROWS = [_P, _SIZE, _P, _P, _SIZE, _INT, _INT, _INT, _INT]  # a store's rows, as in the C
 
 enabled = os.environ.get("REPRISE_KV_NATIVE", "on") != "off"
+ABI = 1  # kvdecode.c's REPRISE_KV_ABI: the arguments `_ROWS` and the calls below pass
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -35,14 +36,17 @@ def _load() -> ctypes.CDLL | None:
     return _library
 
 
-def _open(path: str) -> ctypes.CDLL:
+def _open(path: str) -> ctypes.CDLL | None:
     """The library at `path` with its functions' C types, and its limits read once
-    (`limits`: row width, queries, groups, lanes), as every call checks them."""
+    (`limits`: row width, queries, groups, lanes), as every call checks them; None
+    where it was built for other arguments than these (`ABI`)."""
     library = ctypes.CDLL(path)
+    library.reprise_kv_limit.argtypes, library.reprise_kv_limit.restype = [_INT], _INT
+    if library.reprise_kv_limit(4) != ABI:
+        return None
     library.reprise_kv_scores.argtypes = [*_ROWS, _FLOAT_P, _INT, _FLOAT_P, _SIZE]
     library.reprise_kv_values.argtypes = [*_ROWS, _FLOAT_P, _SIZE, _INT, _FLOAT_P]
     library.reprise_kv_scores.restype = library.reprise_kv_values.restype = None
-    library.reprise_kv_limit.argtypes, library.reprise_kv_limit.restype = [_INT], _INT
     library.limits = tuple(library.reprise_kv_limit(which) for which in range(4))
     return library
 
