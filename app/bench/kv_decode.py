@@ -15,12 +15,12 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
 from app.bench.kv_quality import TEXT, Mode, default_modes
-from app.engine import steps
+from app.engine import kvnative, steps
 from app.engine.kvscheme import APP_SCHEMES
 
 
@@ -29,6 +29,30 @@ def app_modes(group_size: int = 64) -> list[Mode]:
     schemes = {replace(scheme, group_size=group_size) for scheme in APP_SCHEMES.values()}
     modes = default_modes(group_size)
     return [modes[0], *(mode for mode in modes if mode.scheme in schemes)]
+
+
+@dataclass(frozen=True)
+class NumpyProducts(Mode):
+    """A mode whose steps run with the compiled products off (kvnative), so that the
+    numpy fallback is timed beside them, on the same load."""
+
+
+def decode_step(mode: Mode, model, token: mx.array, cache: list) -> None:
+    held = kvnative.enabled
+    kvnative.enabled = held and not isinstance(mode, NumpyProducts)
+    try:
+        mx.eval(model(token, cache=cache))
+    finally:
+        kvnative.enabled = held
+
+
+def with_numpy_rows(modes: list[Mode]) -> list[Mode]:
+    """`modes`, plus each quantized one again on the numpy products where the library
+    is built (their rows say "numpy")."""
+    if not kvnative.available():
+        return modes
+    again = [NumpyProducts(f"{m.name} (numpy)", m.scheme) for m in modes if m.scheme]
+    return [*modes, *again]
 
 
 def step_times(model, tokens: list[int], modes: list[Mode], context: int, count: int) -> list:
@@ -46,7 +70,7 @@ def step_times(model, tokens: list[int], modes: list[Mode], context: int, count:
         for n in order:
             cache, after = caches[n]
             started = time.perf_counter()
-            mx.eval(model(token, cache=cache))
+            decode_step(modes[n], model, token, cache)
             after(cache)
             times[n].append(time.perf_counter() - started)
     return times
@@ -73,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     tokens = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     if len(tokens) < args.tokens + args.steps:
         raise SystemExit(f"the text has {len(tokens)} tokens, fewer than --tokens + --steps")
-    modes = app_modes(args.group_size)
+    modes = with_numpy_rows(app_modes(args.group_size))
     times = step_times(loaded.model, tokens, modes, args.tokens, args.steps)
     result = {
         "rows": rows(modes, times),
