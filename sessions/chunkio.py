@@ -46,10 +46,13 @@ from sessions.safetensors_header import (
     parse_header,
 )
 
+# 4: a chunk stacks alike layers into one tensor per part ("0-29.k.0"; the engine's
+# app/engine/layer_runs.py). 3 files are still read: their layout is one of 4's.
 # 3: a float32 cache of a 16-bit model is stored in 16 bits (its kv_format says which).
 # 2: our own header checks, and one xxh3 checksum over header and data (1 was a CRC-32 of
 # the tensor bytes only). A file of another version is rejected, and the turn recomputes.
-FORMAT_VERSION = "3"
+FORMAT_VERSION = "4"
+READABLE_VERSIONS = ("3", "4")
 FORMAT_KEY = "reprise.format"
 TMP_PREFIX = ".tmp-"
 _TMP_NAME = re.compile(r"\.tmp-(\d+)-.+")
@@ -250,7 +253,7 @@ def _open_regular(path: Path) -> Iterator[BinaryIO]:
 
 
 def _check_metadata(metadata: Mapping[str, str], expect: Mapping[str, str]) -> None:
-    if metadata.get(FORMAT_KEY) != FORMAT_VERSION:
+    if metadata.get(FORMAT_KEY) not in READABLE_VERSIONS:
         raise CacheRejected("not a Reprise cache file of this version")
     for key, value in expect.items():
         if metadata.get(key) != value:

@@ -9,6 +9,7 @@ from functools import cache
 import mlx.core as mx
 
 _SIXTEEN = (mx.float16, mx.bfloat16)
+STEP = 256  # tokens a store grows by
 
 
 def sixteen_bit(x: mx.array) -> mx.array:
@@ -39,6 +40,17 @@ def unrotate(x: mx.array) -> mx.array:
     return wide @ rotation_matrix(dim).T
 
 
+def joined(chunks: list[mx.array], capacity: int, dtype: mx.Dtype | None = None) -> mx.array:
+    """Chunks of a run of layers' tokens (layers first, tokens on axis 3) in one array
+    of `dtype` (the first chunk's if None), with zero rows after them up to `capacity`
+    tokens: one copy, however many layers and chunks."""
+    first = chunks[0]
+    dtype = dtype or first.dtype
+    room = capacity - sum(chunk.shape[3] for chunk in chunks)
+    pad = mx.zeros((*first.shape[:3], room, first.shape[4]), dtype)
+    return mx.concatenate([*(as_dtype(chunk, dtype) for chunk in chunks), pad], axis=3)
+
+
 @cache
 def rotation_matrix(dim: int) -> mx.array:
     """`rotate` as a matrix on row vectors: rotate(x) == x @ _rotation(dim)."""
@@ -50,7 +62,7 @@ class TokenStore:
     quantized, in a buffer that grows in steps and can drop tokens from its front."""
 
     def __init__(
-        self, bits: int | None, group_size: int, rotate: bool = False, step: int = 256
+        self, bits: int | None, group_size: int, rotate: bool = False, step: int = STEP
     ) -> None:
         self.bits, self.group_size, self.rotate, self.step = bits, group_size, rotate, step
         self.buffers: list[mx.array] = []
@@ -88,6 +100,11 @@ class TokenStore:
         for buffer, part in zip(self.buffers, parts, strict=True):
             buffer[..., self.hi : self.hi + n, :] = part
         self.hi += n
+
+    def hold(self, buffers: list[mx.array], rows: int) -> None:
+        """Take `buffers` as they are, their first `rows` tokens held and the rest room
+        for the tokens to come (a restore builds them)."""
+        self.buffers, self.lo, self.hi = list(buffers), 0, rows
 
     def _regrow(self, n: int, parts: list[mx.array]) -> None:
         """Move the live tokens to the front of a buffer with room for `n` more."""
