@@ -224,6 +224,21 @@ def read_file(
     return tensors, header.metadata
 
 
+def read_ahead(paths: list[Path]) -> None:
+    """Have the OS start reading `paths` into its page cache without waiting for it,
+    so that the disk reads the next files while the first are checked and joined.
+    Only a hint: where the OS offers none (posix_fadvise is Linux's) or a path is not
+    a regular file it can open, nothing happens, and reading the file checks it."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for path in paths:
+        try:
+            with _open_regular(path) as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        except (CacheRejected, OSError):
+            continue
+
+
 @contextlib.contextmanager
 def _open_regular(path: Path) -> Iterator[BinaryIO]:
     # Non-blocking: opening a FIFO planted where a file should be must not hang.

@@ -51,6 +51,7 @@ from sessions.cachefiles import (
     CacheRejected,
     ConversationCache,
     path_from_url,
+    read_ahead,
     read_file,
     tensor_names,
     write_file,
@@ -294,19 +295,21 @@ class KVStore:
         `usable` tokens, or fewer where a chunk was evicted; (layers, their token
         count, bytes read). Each chunk is checked by its layers' codecs."""
         chunks = self.saved_chunks(entry)
-        join = ChunkJoin(self._shapes, entry.kv_format)
-        total, size = 0, 0
+        files = []
         for key, start, end in (c for c in chunks if c[1] < usable):
             row = self.index.chunk(key)
             if row is None:  # evicted since: restore what precedes it
                 break
+            files.append((key, start, end, path_from_url(row["url"], self.index.root), row))
+        read_ahead([path for *_, path, _ in files])  # the disk reads on while chunks are checked
+        join = ChunkJoin(self._shapes, entry.kv_format)
+        total, size = 0, 0
+        for key, start, end, path, row in files:
             part = tokens_hash(entry.tokens[start:end])
             manifest = ChunkManifest(
                 self.fingerprint, entry.kv_format, key, start, end, part, len(self._shapes)
             )
-            tensors, metadata = read_file(
-                path_from_url(row["url"], self.index.root), manifest.expected(), load=load_mlx
-            )
+            tensors, metadata = read_file(path, manifest.expected(), load=load_mlx)
             join.add(tensors, read_classes(metadata, len(self._shapes)), (start, end))
             total, size = end, size + row["bytes"]
         if not total:
