@@ -21,7 +21,7 @@ from app.engine.kvquant import MixedKVCache, tail_rows_at
 from app.engine.kvscheme import KVScheme, parse_format
 from app.engine.layer_runs import Run, label, stack_runs
 from app.engine.stored_arrays import to_numpy
-from app.engine.tokenstore import STEP, joined
+from app.engine.tokenstore import STEP, joined, joined_rows
 from sessions.cachefiles import CacheRejected
 
 _SIXTEEN_STORED = (mx.float16, mx.uint16)  # bfloat16 is stored as its raw 16 bits
@@ -91,17 +91,17 @@ class PlainCodec:
     ) -> list[KVCache]:
         """A run's layers from its chunks (layers first, tokens on axis 3), in the
         `compute` type when it differs from the stored one (a 16-bit cache restored on
-        the float32 CPU path). All chunks go into one buffer per half, with room for
-        the tokens after them as `KVCache` grows, and each layer holds its row of it:
-        a few operations for the whole run, and no copy of the cache when the first
-        new token arrives (a buffer of the exact length would be regrown, copied)."""
+        the float32 CPU path). The chunks are joined per half (`joined_rows`) with
+        room for the tokens after them as `KVCache` grows: no copy of the cache when
+        the first new token arrives (a buffer of the exact length would be regrown)."""
         count = sum(chunk.shape[3] for chunk in parts["k.0"])
         capacity = (count // KVCache.step + 1) * KVCache.step
-        keys, values = (joined(parts[name], capacity, compute) for name in ("k.0", "v.0"))
+        dtype = compute or parts["k.0"][0].dtype
+        keys, values = (joined_rows(parts[n], capacity, dtype) for n in ("k.0", "v.0"))
         layers = []
-        for i in range(keys.shape[0]):
+        for row_keys, row_values in zip(keys, values, strict=True):
             layer = KVCache()
-            layer.keys, layer.values, layer.offset = keys[i], values[i], count
+            layer.keys, layer.values, layer.offset = row_keys, row_values, count
             layers.append(layer)
         return layers
 

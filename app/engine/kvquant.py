@@ -41,7 +41,7 @@ from mlx_lm.models.cache import create_attention_mask
 from app.engine import kvattention
 from app.engine.kvattention import PackedLayout, PackedRead
 from app.engine.kvscheme import APP_SCHEMES, KVScheme, parse_format
-from app.engine.tokenstore import TokenStore, as_dtype, joined, sixteen_bit
+from app.engine.tokenstore import TokenStore, as_dtype, joined, layer_rows, sixteen_bit
 
 FLUSH = 32  # tokens quantized at a time once older than the window
 
@@ -380,12 +380,12 @@ class MixedKVCache:
         sink_rows = min(layers[0].sink_size, count)
         for part, prefix in enumerate("kv"):
             parts = 1 if layers[0].bulk[part].bits is None else 3
-            bulk = [named[f"{prefix}.{n}"] for n in range(parts)]
+            bulk = [layer_rows(named[f"{prefix}.{n}"]) for n in range(parts)]
             sink = named.get(f"s{prefix}")
             rows = [sink[..., :sink_rows, :]] if sink is not None and sink_rows else []
             rows += [tails[part]] if tails[part] is not None else []
             held, step = sum(r.shape[3] for r in rows), layers[0].exact[part].step
-            exact = joined(rows, (held // step + 1) * step) if rows else None
+            exact = layer_rows(joined(rows, (held // step + 1) * step)) if rows else None
             for i, layer in enumerate(layers):
                 layer.bulk[part].hold([b[i] for b in bulk], quantized)
                 if exact is not None:
