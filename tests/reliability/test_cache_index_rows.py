@@ -54,6 +54,18 @@ def test_intact_rows_read_back(index):
     assert np.array_equal(tensors["0.k.0"], chunk_tensors(CHUNK, len(TOKENS))["0.k.0"])
 
 
+def test_chunks_touched_by_a_restore_outlive_older_ones_at_eviction(index):
+    """The chunk written first but read since is the one kept: eviction goes by use."""
+    index.touch([KEYS[0]])
+    size = index.chunk(KEYS[0])["bytes"]
+    index.evict_to_budget(size)
+    assert index.chunk(KEYS[0]) is not None and index.chunk(KEYS[1]) is None
+    touched = index.chunk(KEYS[0])["last_used"]
+    index.touch([KEYS[0]])
+    assert index.chunk(KEYS[0])["last_used"] > touched  # committed, as a new connection sees
+    assert CacheIndex(open_db()).chunk(KEYS[0])["last_used"] > touched
+
+
 DEEP = "[" * 50_000 + "]" * 50_000
 CONVERSATION_DAMAGE = {
     "tokens NULL": ("tokens = NULL",),
