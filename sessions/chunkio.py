@@ -22,6 +22,7 @@ import errno
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timezone
@@ -225,17 +226,22 @@ def read_file(
 
 
 def read_ahead(paths: list[Path]) -> None:
-    """Have the OS start reading `paths` into its page cache without waiting for it,
-    so that the disk reads the next files while the first are checked and joined.
-    Only a hint: where the OS offers none (posix_fadvise is Linux's) or a path is not
-    a regular file it can open, nothing happens, and reading the file checks it."""
-    if not hasattr(os, "posix_fadvise"):
-        return
+    """Have the OS read `paths` into its page cache while the caller goes on, so that
+    the disk reads the next files while the first are checked and joined. Only a hint
+    (posix_fadvise is Linux's; elsewhere nothing happens), given on a thread of its
+    own: asking for a file's pages can take a while before it returns."""
+    if hasattr(os, "posix_fadvise"):
+        threading.Thread(target=advise_reading, args=(list(paths),), daemon=True).start()
+
+
+def advise_reading(paths: list[Path]) -> None:
+    """`read_ahead`'s hint itself: each path opened as any cache file is (a regular
+    file, never waiting on a FIFO, no symlink followed), what cannot be is skipped."""
     for path in paths:
         try:
             with _open_regular(path) as f:
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
-        except (CacheRejected, OSError):
+        except (CacheRejected, OSError, AttributeError):  # AttributeError: no posix_fadvise
             continue
 
 

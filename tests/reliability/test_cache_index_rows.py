@@ -14,9 +14,9 @@ from sessions.cachefiles import (
     CacheIndex,
     CacheRejected,
     ConversationCache,
-    read_ahead,
     write_file,
 )
+from sessions.chunkio import advise_reading
 from sessions.db import open_db
 
 KEYS = ["ab" * 20, "cd" * 20]
@@ -203,7 +203,7 @@ def test_a_damaged_chunk_row_is_a_rejection_and_is_dropped(index, damage):
 )
 def test_something_other_than_the_file_at_its_path_is_a_rejection(index, tmp_path, how):
     _replace_file(index, tmp_path, how)
-    read_ahead([index.chunk_path(key) for key in KEYS])  # a hint: it never waits nor raises
+    advise_reading([index.chunk_path(key) for key in KEYS])  # a hint: never waits nor raises
     with pytest.raises(CacheRejected):
         index.read_chunk(KEYS[0], {**EXPECT, "key": KEYS[0]})
     assert index.chunk(KEYS[0]) is None
