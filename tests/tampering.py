@@ -25,14 +25,14 @@ def rewrite_layout(index: CacheIndex, key: str, change: Callable[[list], object]
     write_file(path, tensors, {k: v for k, v in metadata.items() if k != "checksum"})
 
 
-def rewrite_tensors(index: CacheIndex, key: str, change: Callable[[dict], object]) -> None:
-    """Apply `change` to the tensors of chunk `key`'s file (name -> numpy array) and
-    write the file back with a fresh checksum and its row with the new size."""
+def rewrite_chunk(index: CacheIndex, key: str, change: Callable[[dict, dict], object]) -> None:
+    """Apply `change` to the tensors (name -> numpy array) and the metadata of chunk
+    `key`'s file and write it back with a fresh checksum, and its row with the new size."""
     path = path_from_url(index.chunk(key)["url"])
     tensors, metadata = read_file(path, {})
-    tensors = dict(tensors)
-    change(tensors)
-    size = write_file(path, tensors, {k: v for k, v in metadata.items() if k != "checksum"})
+    tensors, metadata = dict(tensors), {k: v for k, v in metadata.items() if k != "checksum"}
+    change(tensors, metadata)
+    size = write_file(path, tensors, metadata)
     _set_size(index, key, size)
 
 

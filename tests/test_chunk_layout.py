@@ -6,9 +6,11 @@ is refused and the turn recomputes, losing nothing."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
-from tampering import as_format_3, rewrite_tensors
+from tampering import as_format_3, rewrite_chunk
 from test_cache_files import fresh_reply, new_engine, turn
 from test_families import assert_identical
 
@@ -79,40 +81,47 @@ def test_chunk_files_of_format_3_still_reopen_bit_for_bit(tiny_model, bits, old)
     )
 
 
-def _renamed(tensors: dict, span: str) -> None:
+def _renamed(tensors: dict, _metadata: dict, span: str) -> None:
     for name in list(tensors):
         part = name.partition(".")[2]
         array = tensors.pop(name)
         tensors[f"{span}.{part}"] = np.concatenate([array, array[-1:]]) if span == "0-2" else array
 
 
-def _one_more_run(tensors: dict) -> None:
+def _one_more_run(tensors: dict, _metadata: dict) -> None:
     for name in list(tensors):
         tensors[f"1-1.{name.partition('.')[2]}"] = tensors[name][1:]
 
 
-def _first_layer_only(tensors: dict) -> None:
+def _first_layer_only(tensors: dict, _metadata: dict) -> None:
     for name in list(tensors):
         tensors[f"0-0.{name.partition('.')[2]}"] = tensors.pop(name)[:1]
 
 
-def _short_run(tensors: dict) -> None:
+def _short_run(tensors: dict, _metadata: dict) -> None:
     keys = next(name for name in tensors if name.endswith(".k.0"))
     tensors[keys] = tensors[keys][:1]
 
 
-def _beside_format_3(tensors: dict) -> None:
+def _beside_format_3(tensors: dict, _metadata: dict) -> None:
     keys = next(name for name in tensors if name.endswith(".k.0"))
     tensors["0.k.0"] = tensors[keys][0]
 
 
+def _unlike_classes(_tensors: dict, metadata: dict) -> None:
+    metadata["classes"] = json.dumps(["KVCache", "MixedKVCache"])
+
+
+# (what is changed, in which chunk, the reason the restore gives)
 LIES = {
-    "layers past the model's": (lambda t: _renamed(t, "0-2"), "unexpected tensor '0-2."),
-    "a number written oddly": (lambda t: _renamed(t, "0-01"), "unexpected tensor '0-01."),
-    "a layer in two runs": (_one_more_run, "layers 1-1 are in two runs"),
-    "a layer in no run": (_first_layer_only, "layer 1 has the wrong tensors"),
-    "a run shorter than its layers": (_short_run, "k.0 has the wrong shape (1,"),
-    "a format 3 tensor beside its run": (_beside_format_3, "layers 0-0 are in two runs"),
+    "layers past the model's": (lambda t, m: _renamed(t, m, "0-2"), 1, "unexpected tensor '0-2."),
+    "a number written oddly": (lambda t, m: _renamed(t, m, "0-01"), 1, "unexpected tensor '0-01."),
+    "a layer in two runs": (_one_more_run, 1, "layers 1-1 are in two runs"),
+    "a layer in no run": (_first_layer_only, 1, "layer 1 has the wrong tensors"),
+    "a run shorter than its layers": (_short_run, 1, "k.0 has the wrong shape (1,"),
+    "a format 3 tensor beside its run": (_beside_format_3, 1, "layers 0-0 are in two runs"),
+    # In the first chunk: the next ones would disagree with its classes.
+    "a run of unlike layers": (_unlike_classes, 0, "layers 0-1 are not alike"),
 }
 
 
@@ -121,10 +130,10 @@ LIES = {
 def test_a_file_that_lies_about_its_layers_is_refused_and_the_turn_recomputes(
     tiny_model, bits, lie
 ):
-    change, reason = lie
+    change, chunk, reason = lie
     conversation_id = saved(tiny_model, bits)
     index = CacheIndex(open_db())
-    rewrite_tensors(index, index.conversation(conversation_id).chunk_keys[1], change)
+    rewrite_chunk(index, index.conversation(conversation_id).chunk_keys[chunk], change)
 
     engine = new_engine(tiny_model)
     finished, _ = turn(engine, conversation_id, "are you still there", options(bits))
