@@ -135,6 +135,8 @@ def _add_peer_arguments(bench) -> None:
 
 
 def _add_bench_commands(commands) -> None:
+    from app.engine.kvscheme import GROUP_SIZES, PREFERENCE_BITS  # plain data, no mlx
+
     bench = commands.add_parser("bench", help="measure the engine")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     cpu = bench_commands.add_parser("cpu", help="engine vs plain mlx-lm, prefill and decode")
@@ -166,6 +168,13 @@ def _add_bench_commands(commands) -> None:
         metavar="FILE",
         help="also append each size's row to FILE as a JSON line, as soon as it is measured",
     )
+    reopen.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=PREFERENCE_BITS,
+        help="save and restore the cache quantized, as the KV preference does (default: 16-bit)",
+    )
+    reopen.add_argument("--kv-group-size", type=int, choices=GROUP_SIZES, default=64)
     _add_peer_arguments(reopen)
     reopen.add_argument("--json", action="store_true")
     kv = bench_commands.add_parser("kv", help="KV-cache quantization: quality, memory, speed")

@@ -38,6 +38,7 @@ from sessions.chunkio import (
     load_numpy,
     now,
     path_from_url,
+    read_ahead,
     read_file,
     tensor_names,
     write_file,
@@ -55,6 +56,7 @@ __all__ = [
     "load_numpy",
     "now",
     "path_from_url",
+    "read_ahead",
     "read_file",
     "tensor_names",
     "write_file",
@@ -156,10 +158,12 @@ class CacheIndex:
         )
 
     def touch(self, keys: list[str]) -> None:
+        # One transaction: `db.execute` would commit (and sync) each row on its own.
         stamp = now()
         with self.db.conn:
-            for key in keys:
-                self.db.execute("update cache_chunks set last_used = ? where key = ?", [stamp, key])
+            self.db.conn.executemany(
+                "update cache_chunks set last_used = ? where key = ?", [(stamp, k) for k in keys]
+            )
 
     def delete_chunk(self, key: object) -> None:
         """Row first, then file: a crash in between leaves an orphan file for gc,

@@ -22,6 +22,7 @@ import errno
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timezone
@@ -46,10 +47,13 @@ from sessions.safetensors_header import (
     parse_header,
 )
 
+# 4: a chunk stacks alike layers into one tensor per part ("0-29.k.0"; the engine's
+# app/engine/layer_runs.py). 3 files are still read: their layout is one of 4's.
 # 3: a float32 cache of a 16-bit model is stored in 16 bits (its kv_format says which).
 # 2: our own header checks, and one xxh3 checksum over header and data (1 was a CRC-32 of
 # the tensor bytes only). A file of another version is rejected, and the turn recomputes.
-FORMAT_VERSION = "3"
+FORMAT_VERSION = "4"
+READABLE_VERSIONS = ("3", "4")
 FORMAT_KEY = "reprise.format"
 TMP_PREFIX = ".tmp-"
 _TMP_NAME = re.compile(r"\.tmp-(\d+)-.+")
@@ -221,6 +225,26 @@ def read_file(
     return tensors, header.metadata
 
 
+def read_ahead(paths: list[Path]) -> None:
+    """Have the OS read `paths` into its page cache while the caller goes on, so that
+    the disk reads the next files while the first are checked and joined. Only a hint
+    (posix_fadvise is Linux's; elsewhere nothing happens), given on a thread of its
+    own: asking for a file's pages can take a while before it returns."""
+    if hasattr(os, "posix_fadvise"):
+        threading.Thread(target=advise_reading, args=(list(paths),), daemon=True).start()
+
+
+def advise_reading(paths: list[Path]) -> None:
+    """`read_ahead`'s hint itself: each path opened as any cache file is (a regular
+    file, never waiting on a FIFO, no symlink followed), what cannot be is skipped."""
+    for path in paths:
+        try:
+            with _open_regular(path) as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        except (CacheRejected, OSError, AttributeError):  # AttributeError: no posix_fadvise
+            continue
+
+
 @contextlib.contextmanager
 def _open_regular(path: Path) -> Iterator[BinaryIO]:
     # Non-blocking: opening a FIFO planted where a file should be must not hang.
@@ -250,7 +274,7 @@ def _open_regular(path: Path) -> Iterator[BinaryIO]:
 
 
 def _check_metadata(metadata: Mapping[str, str], expect: Mapping[str, str]) -> None:
-    if metadata.get(FORMAT_KEY) != FORMAT_VERSION:
+    if metadata.get(FORMAT_KEY) not in READABLE_VERSIONS:
         raise CacheRejected("not a Reprise cache file of this version")
     for key, value in expect.items():
         if metadata.get(key) != value:

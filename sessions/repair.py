@@ -10,8 +10,8 @@ file whose writer is alive, nor a chunk file whose row may be on its way.
 - Temp files of a save that was killed are removed.
 - Index rows that are damaged or point at a missing file are dropped (the next
   turn recomputes and saves afresh).
-- Once per cache format: chunk files of an older format are dropped, so that a
-  save writes them anew instead of reusing a file no reader accepts.
+- Once per cache format: chunk files of a format no reader accepts (older, or
+  newer) are dropped, so that a save writes them anew instead of reusing them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,14 @@ from pathlib import Path
 import sqlite_utils
 
 from sessions.cachefiles import CacheIndex
-from sessions.chunkio import FORMAT_VERSION, file_format, now, path_from_url, temp_path
+from sessions.chunkio import (
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
+    file_format,
+    now,
+    path_from_url,
+    temp_path,
+)
 from sessions.errors import CacheRejected, database_path, storage_errors
 from sessions.locks import ConversationBusy, conversation_lock
 
@@ -67,7 +74,8 @@ def mark_interrupted_replies(db: sqlite_utils.Database, data_dir: Path | None = 
 
 
 def drop_other_formats(index: CacheIndex) -> int:
-    """Delete chunks whose file is of another format, once per format version."""
+    """Delete chunks whose file is of a format this version cannot read, once per
+    format version."""
     marker = index.root / FORMAT_MARKER
     with contextlib.suppress(OSError):
         if marker.read_text().strip() == FORMAT_VERSION:
@@ -80,7 +88,7 @@ def drop_other_formats(index: CacheIndex) -> int:
             version = file_format(path_from_url(row["url"], index.root))
         except CacheRejected:
             continue
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             index.delete_chunk(key)
             dropped += 1
     tmp = temp_path(marker)

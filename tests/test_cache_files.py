@@ -190,7 +190,8 @@ def corrupt(conversation_id, how):
         length = int.from_bytes(data[:8], "little")
         header = json.loads(data[8 : 8 + length])
         same_size = {"F32": "I32", "I32": "F32", "F16": "U16", "U16": "F16", "U32": "F32"}
-        header["0.k.0"]["dtype"] = same_size[header["0.k.0"]["dtype"]]
+        keys = next(name for name in header if name.endswith(".k.0"))
+        header[keys]["dtype"] = same_size[header[keys]["dtype"]]
         text = json.dumps(header).encode()
         path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length :])
     elif how == "truncated":
@@ -200,7 +201,8 @@ def corrupt(conversation_id, how):
         if how == "unknown class":
             metadata["classes"] = json.dumps(["os.system"] * len(json.loads(metadata["classes"])))
         else:
-            tensors["0.k.0"] = tensors["0.k.0"][..., :-1]
+            keys = next(name for name in tensors if name.endswith(".k.0"))
+            tensors[keys] = tensors[keys][..., :-1]
         write_file(path, tensors, {k: v for k, v in metadata.items() if k != "checksum"})
     elif how == "foreign file":
         save_file({"x": np.zeros(3, dtype=np.float32)}, str(path))

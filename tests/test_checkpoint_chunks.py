@@ -9,10 +9,11 @@ import json
 
 import families
 import mlx.core as mx
+import numpy as np
 import pytest
 import sqlite_utils
 from mlx_lm.models.cache import KVCache, RotatingKVCache
-from tampering import rewrite_layout
+from tampering import rewrite_chunk, rewrite_layout
 from test_families import assert_identical
 
 from app.engine import snapshots
@@ -135,7 +136,17 @@ DAMAGE = {
     "chunks disagree with the checkpoint": lambda index, e: rewrite_layout(
         index, e.checkpoint_keys[-1], lambda layout: layout[2].update({"class": "MixedKVCache"})
     ),
+    "a chunk stacks a sliding layer with the global one": lambda index, e: rewrite_chunk(
+        index, e.chunk_keys[0], _with_layer_1
+    ),
 }
+
+
+def _with_layer_1(tensors: dict, _metadata: dict) -> None:
+    """The global layer's run ("2-2.k.0") made "1-2.k.0", as if layer 1 were chunked."""
+    for name in list(tensors):
+        array = tensors.pop(name)
+        tensors[f"1-2.{name.partition('.')[2]}"] = np.concatenate([array, array])
 
 
 @pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())

@@ -210,6 +210,22 @@ def test_bench_reopen_measures_each_size_and_skips_one_past_the_context(tiny_mod
     assert "skipped: 99999 tokens" in done.stderr
 
 
+def test_bench_reopen_measures_the_kv_preference_it_is_given(tiny_model_dir):
+    """`--kv-bits`: the cache is saved and restored in that preference's format, and
+    the row says how fast its bytes came back against a plain read of them."""
+    done = reprise(
+        "bench", "reopen", "--model", str(tiny_model_dir), "--tokens", "80",
+        "--kv-bits", "4", "--kv-group-size", "32", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    [row] = result["rows"]
+    assert result["kv"].startswith("4-bit (group 32")
+    assert row["kv_format"] == "k4v4g32s4h"
+    assert row["restore_bytes"] == row["cache_bytes"] > 0
+    assert row["restore_mb_s"] > 0 and row["raw_read_mb_s"] > 0
+
+
 def test_bench_reopen_writes_each_row_as_it_is_measured(tiny_model_dir, tmp_path):
     """`--rows-to`: a JSON line per size, the skipped ones included, appended as they
     come (a run cut short keeps what it finished)."""

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from app.bench import llama_cpp_peer, shapes
@@ -39,7 +40,7 @@ from app.engine.conversation import (
     recompute_is_faster,
 )
 from app.engine.errors import UserError
-from app.engine.generation import SamplingSettings
+from app.engine.generation import KVSettings, SamplingSettings
 from app.resource_files import resource
 from sessions import paths
 from sessions.cachefiles import path_from_url
@@ -65,8 +66,10 @@ def build_history(engine: ConversationEngine, conversation_id: int, target: int)
         i += 1
 
 
-def run_turn(engine, conversation_id, text) -> tuple[ReplyFinished, CacheSaved]:
-    events = list(engine.send(conversation_id, text, ONE_TOKEN))
+def run_turn(
+    engine, conversation_id, text, options: TurnOptions = ONE_TOKEN
+) -> tuple[ReplyFinished, CacheSaved]:
+    events = list(engine.send(conversation_id, text, options))
     return events[-2], events[-1]
 
 
@@ -74,11 +77,17 @@ Peer = Callable[[list[int], list[int]], dict]  # (history, new tokens) -> its fi
 
 
 def measure(
-    loaded: loading.LoadedModel, target: int, peer: Peer | None = None, cold: bool = False
+    loaded: loading.LoadedModel,
+    target: int,
+    peer: Peer | None = None,
+    cold: bool = False,
+    kv: KVSettings = ONE_TOKEN.kv,
 ) -> dict:
     """One history length's row. `cold`: every read of the cache files (the plain read,
     the restore, the prefetch) starts with their pages dropped from the OS's cache, as
-    when a conversation is reopened days later."""
+    when a conversation is reopened days later. `kv`: the KV preference every turn
+    uses, so the cache is saved (and restored) in its format."""
+    options = replace(ONE_TOKEN, kv=kv)
     db = open_db()
     builder = ConversationEngine(db, loaded)
     # The builder prefills the whole history at once, where an app's history grows turn
@@ -86,7 +95,7 @@ def measure(
     builder.measurements = Measurements(open_db(paths.data_dir() / "bench-builder.db"))
     conversation = builder.store.create(loaded.name)
     build_history(builder, conversation.id, target)
-    run_turn(builder, conversation.id, "Summarise this.")  # prefill all, save the cache
+    run_turn(builder, conversation.id, "Summarise this.", options)  # prefill all, save
     entry = builder.index.conversation(conversation.id)
     files = cache_files(builder, conversation.id)
     cache_bytes = sum(f.stat().st_size for f in files)
@@ -103,13 +112,13 @@ def measure(
     reopened.measurements.forget(READ_BANDWIDTH)
     if cold:
         evict(files)
-    restored, saved = run_turn(reopened, conversation.id, "And in one word?")
+    restored, saved = run_turn(reopened, conversation.id, "And in one word?", options)
     info = restored.restore
     assert info.source == "disk", info
 
     prompt = reopened.session.render(reopened.store.get(conversation.id).chat_messages()[:-1])
     fresh = ChatSession(loaded)
-    *_, recomputed = fresh.generate(prompt, sampling=ONE_TOKEN.sampling)
+    *_, recomputed = fresh.generate(prompt, sampling=options.sampling, kv=kv)
     reopened.learn_prefill_rate(recomputed.stats)  # for the rows after, as an app would
 
     new_tokens = restored.stats.prompt_tokens + 1 - info.tokens
@@ -118,15 +127,19 @@ def measure(
     peer_row = peer(reopened_prompt[: info.tokens], reopened_prompt[info.tokens :]) if peer else {}
     if cold:
         evict(cache_files(reopened, conversation.id))
-    prefetched = measure_prefetch(loaded, reopened, conversation.id)
+    prefetched = measure_prefetch(loaded, reopened, conversation.id, options)
     choice = "recompute" if recompute_is_faster(planned) else "restore"
     chosen = recomputed.stats.ttft_s if choice == "recompute" else restored.ttft_s
     return {
         "history_tokens": len(entry.tokens),
+        "kv_format": entry.kv_format,
         "cache_bytes": cache_bytes,
         "cold": evicted,
         "restore_s": info.seconds,
+        "restore_bytes": info.bytes_read,
+        "restore_mb_s": info.bytes_read / info.seconds / 1e6,
         "raw_read_s": raw_read_s,
+        "raw_read_mb_s": cache_bytes / raw_read_s / 1e6,
         "restore_vs_raw_read": info.seconds / raw_read_s,
         "ttft_restore_s": restored.ttft_s,  # the restore included: what the user waits
         "ttft_recompute_s": recomputed.stats.ttft_s,
@@ -162,17 +175,19 @@ def evict(files: list[Path]) -> bool:
     return True
 
 
-def measure_prefetch(loaded, never_closed: ConversationEngine, conversation_id: int) -> dict:
+def measure_prefetch(
+    loaded, never_closed: ConversationEngine, conversation_id: int, options: TurnOptions
+) -> dict:
     """A new engine prefetches the saved cache, then answers a new message; the engine
     that never closed answers the same message (an edit: the same parent, the same
     prompt) from the cache it holds."""
     prefetcher = ConversationEngine(open_db(), loaded)
-    early = prefetcher.prefetch(conversation_id, ONE_TOKEN.kv)
+    early = prefetcher.prefetch(conversation_id, options.kv)
     assert early.source == "disk", early
-    after, _ = run_turn(prefetcher, conversation_id, "And in two words?")
+    after, _ = run_turn(prefetcher, conversation_id, "And in two words?", options)
     assert after.restore.source == "memory", after.restore
     user = prefetcher.store.message(after.message_id).parent_id
-    events = list(never_closed.edit(user, "And in two words?", ONE_TOKEN))
+    events = list(never_closed.edit(user, "And in two words?", options))
     held = events[-2]
     assert held.restore.source == "memory", held.restore
     return {
@@ -185,11 +200,15 @@ def measure_prefetch(loaded, never_closed: ConversationEngine, conversation_id: 
 def main(args: argparse.Namespace) -> int:
     rows, skipped = [], []
     peer = _peer(args)
+    kv = KVSettings(args.kv_bits, args.kv_group_size)
     with tempfile.TemporaryDirectory(prefix="reprise-bench-") as scratch:
         model_dir = _model_dir(args, Path(scratch))
         loaded = loading.load(model_dir)
         if not args.json:
-            print(f"model: {model_dir.name}   engine path: {loaded.compute.describe()}")
+            print(
+                f"model: {model_dir.name}   engine path: {loaded.compute.describe()}   "
+                f"KV: {kv.describe()}"
+            )
             print(HEADER, flush=True)
         os.environ["REPRISE_DATA_DIR"] = str(Path(scratch) / "data")
         os.environ["REPRISE_CACHE_DIR"] = str(Path(scratch) / "cache")
@@ -200,12 +219,17 @@ def main(args: argparse.Namespace) -> int:
                 print(f"skipped: {note}", file=sys.stderr, flush=True)
                 _append_row(args.rows_to, {"target": target, "skipped": note})
                 continue
-            rows.append(measure(loaded, target, peer, args.cold))
+            rows.append(measure(loaded, target, peer, args.cold, kv))
             _append_row(args.rows_to, {"model": model_dir.name, "target": target, **rows[-1]})
             if not args.json:
                 print(row_text(rows[-1]), flush=True)  # each size as soon as it is measured
     if args.json:
-        result = {"model": model_dir.name, "compute": loaded.compute.describe(), "rows": rows}
+        result = {
+            "model": model_dir.name,
+            "compute": loaded.compute.describe(),
+            "kv": kv.describe(),
+            "rows": rows,
+        }
         print(json.dumps({**result, "skipped": skipped}, indent=2))
     return 0
 
@@ -244,7 +268,8 @@ def _peer(args: argparse.Namespace):
 # A history is built up to the target, then two more short turns are asked.
 ROOM_FOR_A_TURN = 256
 HEADER = (
-    f"{'history':>8} {'cache MB':>9} {'TTFT restore':>13} {'TTFT recompute':>15} "
+    f"{'history':>8} {'cache MB':>9} {'restore':>8} {'MB/s':>6} {'raw read MB/s':>14} "
+    f"{'TTFT restore':>13} {'TTFT recompute':>15} "
     f"{'speedup':>8} {'restore/raw read':>17} {'written/new KV':>15} "
     f"{'TTFT prefetched':>16} {'TTFT in memory':>15} {'planner':>18}"
 )
@@ -253,7 +278,8 @@ HEADER = (
 def row_text(r: dict) -> str:
     peer = f"   llama.cpp TTFT {r['llama_cpp_ttft_s']:.3f}s" if "llama_cpp_ttft_s" in r else ""
     return (
-        f"{r['history_tokens']:8} {r['cache_bytes'] / 1e6:9.1f} {r['ttft_restore_s']:12.3f}s "
+        f"{r['history_tokens']:8} {r['cache_bytes'] / 1e6:9.1f} {r['restore_s']:7.3f}s "
+        f"{r['restore_mb_s']:6.0f} {r['raw_read_mb_s']:14.0f} {r['ttft_restore_s']:12.3f}s "
         f"{r['ttft_recompute_s']:14.3f}s {r['reopen_speedup']:7.1f}x "
         f"{r['restore_vs_raw_read']:16.2f}x {r['written_vs_new_kv_bytes']:14.2f}x "
         f"{r['ttft_prefetched_s']:15.3f}s {r['ttft_in_memory_s']:14.3f}s "

@@ -3,8 +3,9 @@ files: one codec per cache class, and the manifest every chunk file carries.
 
 A codec names the tensors of a layer's tokens [start, end), says which tensors
 (with which shapes and dtypes) a chunk of a given format must hold, and builds
-the layer back from its chunks, in token order. Every check of a
-chunk's contents is in `check_layer`, so nothing unchecked reaches mlx.
+layers back from their chunks, in token order, a run of alike layers at once
+(chunk files stack them: app/engine/layer_runs.py). Every check of a chunk's
+contents is in `check_run`, so nothing unchecked reaches mlx.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from app.engine.cache_keys import cache_parts
 from app.engine.kvquant import MixedKVCache, tail_rows_at
 from app.engine.kvscheme import KVScheme, parse_format
+from app.engine.layer_runs import Run, label, stack_runs
 from app.engine.stored_arrays import to_numpy
+from app.engine.tokenstore import STEP, joined, joined_rows
 from sessions.cachefiles import CacheRejected
 
 _SIXTEEN_STORED = (mx.float16, mx.uint16)  # bfloat16 is stored as its raw 16 bits
@@ -85,29 +88,26 @@ class PlainCodec:
 
     def build(
         self, parts: dict[str, list[mx.array]], fmt: str, compute: mx.Dtype | None = None
-    ) -> KVCache:
-        """The layer from its chunks, in the `compute` type when it differs from the
-        stored one (a 16-bit cache restored on the float32 CPU path). Each chunk's tokens
-        are written into their place in one buffer per half, with room for the tokens
-        after them as `KVCache` grows: no join of the chunks, and no copy of the whole
-        cache when the first new token arrives (a buffer of the exact length would be
-        regrown, copied, at once)."""
-        layer = KVCache()
-        halves = []
-        for name in ("k.0", "v.0"):
-            chunks = parts[name]
-            count = sum(c.shape[2] for c in chunks)
-            dtype = compute or chunks[0].dtype
-            heads, width = chunks[0].shape[1], chunks[0].shape[3]
-            buffer = mx.zeros((1, heads, (count // layer.step + 1) * layer.step, width), dtype)
-            at = 0
-            for chunk in chunks:
-                buffer[..., at : at + chunk.shape[2], :] = chunk.astype(dtype)
-                at += chunk.shape[2]
-            halves.append(buffer)
-        layer.keys, layer.values = halves
-        layer.offset = count
-        return layer
+    ) -> list[KVCache]:
+        """A run's layers from its chunks (layers first, tokens on axis 3), in the
+        `compute` type when it differs from the stored one (a 16-bit cache restored on
+        the float32 CPU path). The chunks are joined per half (`joined_rows`) with
+        room for the tokens after them as `KVCache` grows: no copy of the cache when
+        the first new token arrives (a buffer of the exact length would be regrown)."""
+        count = sum(chunk.shape[3] for chunk in parts["k.0"])
+        capacity = (count // KVCache.step + 1) * KVCache.step
+        dtype = compute or parts["k.0"][0].dtype
+        keys, values = (joined_rows(parts[n], capacity, dtype) for n in ("k.0", "v.0"))
+        layers = []
+        for row_keys, row_values in zip(keys, values, strict=True):
+            layer = KVCache()
+            layer.keys, layer.values, layer.offset = row_keys, row_values, count
+            layers.append(layer)
+        return layers
+
+    def arrays(self, layer: KVCache) -> list[mx.array]:
+        """What a built layer holds, to evaluate."""
+        return [layer.keys, layer.values]
 
 
 class MixedCodec:
@@ -148,18 +148,31 @@ class MixedCodec:
 
     def build(
         self, parts: dict[str, list[mx.array]], fmt: str, compute: mx.Dtype | None = None
-    ) -> MixedKVCache:
-        """The layer from its chunks joined (its types come from the scheme, not `compute`)."""
-        joined = {name: mx.concatenate(chunks, axis=2) for name, chunks in parts.items()}
-        return MixedKVCache.from_quantized(scheme_of(fmt), joined)
+    ) -> list[MixedKVCache]:
+        """A run's layers from its chunks (layers first, tokens on axis 3; their types
+        come from the scheme, not `compute`): each quantized tensor's chunks go into one
+        buffer with room for the tokens after them, the 16-bit sink is the first
+        chunk's and the recent rows the last one's."""
+        count = sum(chunk.shape[3] for chunk in parts["k.0"])
+        capacity = (count // STEP + 1) * STEP
+        named = {name: joined(chunks, capacity) for name, chunks in parts.items() if name[1] == "."}
+        for name in ("sk", "sv", f"t{count}k", f"t{count}v"):  # one chunk holds each
+            if name in parts:
+                named[name] = parts[name][0]
+        return MixedKVCache.from_quantized(scheme_of(fmt), named, count)
+
+    def arrays(self, layer: MixedKVCache) -> list[mx.array]:
+        """What a built layer holds, to evaluate."""
+        return [buffer for store in (*layer.bulk, *layer.exact) for buffer in store.buffers]
 
 
 CODECS = {codec.name: codec for codec in (PlainCodec(), MixedCodec())}
 
 
 def is_window_copy(name: str) -> bool:
-    """Whether a chunk file's tensor "<layer>.<tensor>" is a 16-bit copy of the recent
-    rows (`MixedCodec`'s "t<end>k" and "t<end>v", held by the last chunk of a save)."""
+    """Whether a chunk file's tensor ("<first>-<last>.<tensor>", or "<layer>.<tensor>"
+    in format 3) is a 16-bit copy of the recent rows (`MixedCodec`'s "t<end>k" and
+    "t<end>v", held by the last chunk of a save)."""
     return name.split(".", 1)[-1].startswith("t")
 
 
@@ -198,10 +211,10 @@ def chunk_classes(cache: list) -> tuple[str | None, ...]:
 
 
 def chunk_tensors(cache: list, start: int, end: int, store_as: mx.Dtype | None = None) -> dict:
-    """Tokens [start, end) of every layer a chunk holds (`chunk_classes`), named
-    "<layer>.<tensor>" with layers counted as `cache_parts` does, for a chunk file
-    (`store_as`: the type plain layers are saved in; see `stored_format`)."""
-    tensors = {}
+    """Tokens [start, end) of every layer a chunk holds (`chunk_classes`), with layers
+    counted as `cache_parts` does and alike neighbours stacked (`stack_runs`), for a
+    chunk file (`store_as`: the type plain layers are saved in; see `stored_format`)."""
+    layers = []
     for i, layer in enumerate(cache_parts(cache)):
         codec = codec_for(layer)
         if codec is None:
@@ -210,36 +223,25 @@ def chunk_tensors(cache: list, start: int, end: int, store_as: mx.Dtype | None =
             named = codec.tensors(layer, start, end, store_as)
         else:
             named = codec.tensors(layer, start, end)
-        for name, array in named.items():
-            tensors[f"{i}.{name}"] = to_numpy(array)
-    return tensors
+        layers.append((i, codec.name, {name: to_numpy(a) for name, a in named.items()}))
+    return stack_runs(layers)
 
 
-def split_layers(tensors: dict, layers: int) -> list[dict]:
-    """A chunk's tensors per layer; refuses names that are not "<layer>.<tensor>"."""
-    per_layer: list[dict] = [{} for _ in range(layers)]
-    for full_name, array in tensors.items():
-        layer, _, name = full_name.partition(".")
-        if not layer.isdigit() or int(layer) >= layers or not name:
-            raise CacheRejected(f"unexpected tensor {full_name!r}")
-        per_layer[int(layer)][name] = array
-    return per_layer
-
-
-def check_layer(i: int, named: dict, specs: dict[str, TensorSpec], previous: dict | None) -> None:
-    """Layer `i` of a chunk holds exactly the tensors `specs` names, with their
-    shapes and dtypes, and the dtypes of the chunk before it."""
+def check_run(run: Run, named: dict, specs: dict[str, TensorSpec], previous: dict) -> None:
+    """A run of alike layers of a chunk holds exactly the tensors `specs` names for
+    one of them, stacked (the layers first), with the dtypes of the chunk before it."""
     required = {name for name, spec in specs.items() if not spec.optional}
     if not required <= set(named) <= set(specs):
-        raise CacheRejected(f"layer {i} has the wrong tensors")
+        raise CacheRejected(f"{label(run)} has the wrong tensors")
+    layers = run[1] - run[0] + 1
     for name, array in named.items():
         spec = specs[name]
-        if tuple(array.shape) != spec.shape:
-            raise CacheRejected(f"{i}.{name} has the wrong shape {tuple(array.shape)}")
+        if tuple(array.shape) != (layers, *spec.shape):
+            raise CacheRejected(f"{label(run)}: {name} has the wrong shape {tuple(array.shape)}")
         if array.dtype not in spec.dtypes or (
-            previous and name in previous and previous[name].dtype != array.dtype
+            name in previous and previous[name].dtype != array.dtype
         ):
-            raise CacheRejected(f"{i}.{name} has the wrong dtype {array.dtype}")
+            raise CacheRejected(f"{label(run)}: {name} has the wrong dtype {array.dtype}")
 
 
 @dataclass(frozen=True)

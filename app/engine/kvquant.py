@@ -41,7 +41,7 @@ from mlx_lm.models.cache import create_attention_mask
 from app.engine import kvattention
 from app.engine.kvattention import PackedLayout, PackedRead
 from app.engine.kvscheme import APP_SCHEMES, KVScheme, parse_format
-from app.engine.tokenstore import TokenStore, as_dtype, sixteen_bit
+from app.engine.tokenstore import TokenStore, as_dtype, joined, layer_rows, sixteen_bit
 
 FLUSH = 32  # tokens quantized at a time once older than the window
 
@@ -363,23 +363,33 @@ class MixedKVCache:
         return named
 
     @classmethod
-    def from_quantized(cls, scheme: KVScheme, named: dict[str, mx.array]) -> MixedKVCache:
-        """Rebuild from `quantized_tokens` of a whole cache; without its 16-bit rows
-        (a file written before they were saved) every token comes back quantized."""
-        layer = cls(replace(scheme, window=app_window(scheme)))
-        count = named["k.0"].shape[2]
+    def from_quantized(
+        cls, scheme: KVScheme, named: dict[str, mx.array], count: int
+    ) -> list[MixedKVCache]:
+        """Layers rebuilt from `quantized_tokens` of a whole cache of `count` tokens,
+        stacked along a first axis, a row per layer (a chunk file's run). The bulk's
+        arrays become the layers' buffers as they are, so they may hold room past
+        `count`. Without the 16-bit rows (a file written before they were saved) every
+        token comes back quantized."""
+        scheme = replace(scheme, window=app_window(scheme))
+        layers = [cls(scheme) for _ in range(named["k.0"].shape[0])]
         tails = [named.get(f"t{count}{prefix}") for prefix in "kv"]
-        if any(t is None for t in tails) or tails[0].shape[2] != tail_rows_at(count, scheme):
+        if any(t is None for t in tails) or tails[0].shape[3] != tail_rows_at(count, scheme):
             tails = [None, None]
+        quantized = count if tails[0] is None else quantized_at(count, scheme.window)
+        sink_rows = min(layers[0].sink_size, count)
         for part, prefix in enumerate("kv"):
-            parts = 1 if layer.bulk[part].bits is None else 3
-            layer.bulk[part].append_encoded([named[f"{prefix}.{n}"] for n in range(parts)])
-            layer.count = count
+            parts = 1 if layers[0].bulk[part].bits is None else 3
+            bulk = [layer_rows(named[f"{prefix}.{n}"]) for n in range(parts)]
             sink = named.get(f"s{prefix}")
-            if sink is not None and layer.sink_size:
-                layer.exact[part].append_encoded([sink[..., : layer._sink_rows(), :]])
-            if tails[part] is not None:
-                layer.bulk[part].trim(count - quantized_at(count, layer.scheme.window))
-                layer.exact[part].append_encoded([tails[part]])
-        layer.offset = layer.count
-        return layer
+            rows = [sink[..., :sink_rows, :]] if sink is not None and sink_rows else []
+            rows += [tails[part]] if tails[part] is not None else []
+            held, step = sum(r.shape[3] for r in rows), layers[0].exact[part].step
+            exact = layer_rows(joined(rows, (held // step + 1) * step)) if rows else None
+            for i, layer in enumerate(layers):
+                layer.bulk[part].hold([b[i] for b in bulk], quantized)
+                if exact is not None:
+                    layer.exact[part].hold([exact[i]], held)
+        for layer in layers:
+            layer.count = layer.offset = count
+        return layers

@@ -12,7 +12,8 @@ token axis (sliding windows, recurrent state) keeps its other layers in such
 chunks and the rest in a checkpoint per turn (`app.engine.checkpoints`).
 
 Restoring reads the chunks a prompt can use, has each checked by its layers'
-codecs (app.engine.codecs), joins them once and trims to the usable prefix.
+codecs (app.engine.codecs), joins them once (app.engine.chunkjoin) and trims to
+the usable prefix.
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
-from mlx_lm.models.cache import trim_prompt_cache
-
 from app.engine import checkpoints, snapshots
 from app.engine.cache_keys import (
     chain_keys,
@@ -33,28 +31,27 @@ from app.engine.cache_keys import (
     model_fingerprint,
     tokens_hash,
 )
+from app.engine.chunkjoin import ChunkJoin
 from app.engine.codecs import (
-    CODECS,
     ChunkManifest,
     LayerShape,
-    check_layer,
     chunk_classes,
     chunk_tensors,
     is_window_copy,
     read_classes,
-    split_layers,
     stored_dtype,
     stored_format,
 )
 from app.engine.kvquant import tail_rows_at
 from app.engine.kvscheme import parse_format
 from app.engine.loading import LoadedModel
-from app.engine.stored_arrays import from_stored, load_mlx
+from app.engine.stored_arrays import load_mlx
 from sessions.cachefiles import (
     CacheIndex,
     CacheRejected,
     ConversationCache,
     path_from_url,
+    read_ahead,
     read_file,
     tensor_names,
     write_file,
@@ -298,60 +295,27 @@ class KVStore:
         `usable` tokens, or fewer where a chunk was evicted; (layers, their token
         count, bytes read). Each chunk is checked by its layers' codecs."""
         chunks = self.saved_chunks(entry)
-        shapes = self._shapes
-        pieces: list[dict[str, list]] = [{} for _ in shapes]
-        classes, total, size = None, 0, 0
+        files = []
         for key, start, end in (c for c in chunks if c[1] < usable):
             row = self.index.chunk(key)
             if row is None:  # evicted since: restore what precedes it
                 break
+            files.append((key, start, end, path_from_url(row["url"], self.index.root), row))
+        read_ahead([path for *_, path, _ in files])  # the disk reads on while chunks are checked
+        join = ChunkJoin(self._shapes, entry.kv_format)
+        total, size = 0, 0
+        for key, start, end, path, row in files:
             part = tokens_hash(entry.tokens[start:end])
             manifest = ChunkManifest(
-                self.fingerprint, entry.kv_format, key, start, end, part, len(shapes)
+                self.fingerprint, entry.kv_format, key, start, end, part, len(self._shapes)
             )
-            tensors, metadata = read_file(
-                path_from_url(row["url"], self.index.root), manifest.expected(), load=load_mlx
-            )
-            chunk_classes = read_classes(metadata, len(shapes))
-            if classes not in (None, chunk_classes):
-                raise CacheRejected("chunks disagree on their layers' classes")
-            classes = chunk_classes
-            self._add_chunk(pieces, tensors, classes, entry.kv_format, (start, end))
+            tensors, metadata = read_file(path, manifest.expected(), load=load_mlx)
+            join.add(tensors, read_classes(metadata, len(self._shapes)), (start, end))
             total, size = end, size + row["bytes"]
         if not total:
             raise CacheRejected("cache files were evicted")
         self.index.touch([k for k, s, _ in chunks if s < total])
-        cache = self._built(classes, pieces, entry.kv_format, total - min(usable, total))
-        return cache, min(usable, total), size
-
-    def _add_chunk(
-        self, pieces: list[dict], tensors: dict, classes: list, fmt: str, span: tuple[int, int]
-    ) -> None:
-        """A chunk's tensors of tokens `span`, checked, appended to each layer's pieces."""
-        for i, named in enumerate(split_layers(tensors, len(pieces))):
-            if classes[i] is None:  # a layer a checkpoint holds
-                if named:
-                    raise CacheRejected(f"layer {i} has tensors its chunks do not hold")
-                continue
-            if self._shapes[i] is None:
-                raise CacheRejected(f"layer {i} of this model is not plain attention")
-            specs = CODECS[classes[i]].specs(self._shapes[i], fmt, *span)
-            check_layer(i, named, specs, {name: p[-1] for name, p in pieces[i].items()})
-            for name, array in named.items():
-                pieces[i].setdefault(name, []).append(array)
-
-    def _built(self, classes: list, pieces: list[dict], fmt: str, overshoot: int) -> list:
-        """Each chunked layer joined from its pieces, cut back by the `overshoot` tokens
-        its last chunk holds past the restore's end; None for the others."""
-        cache = [
-            None if name is None else _join(CODECS[name], named, fmt, shape)
-            for name, named, shape in zip(classes, pieces, self._shapes, strict=True)
-        ]
-        built = [layer for layer in cache if layer is not None]
-        mx.eval([layer.state for layer in built])
-        if overshoot:
-            trim_prompt_cache(built, overshoot)
-        return cache
+        return join.build(total - min(usable, total)), min(usable, total), size
 
 
 def _holds_window(fmt: str, end: int) -> bool:
@@ -369,11 +333,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
-
-
-def _join(codec, pieces: dict[str, list], fmt: str, shape: LayerShape):
-    stored = {name: [from_stored(p) for p in parts] for name, parts in pieces.items()}
-    return codec.build(stored, fmt, shape.dtype)  # back to the type the model computes in
 
 
 def sixteen_bit_type(model_dir: Path) -> str | None:

@@ -9,6 +9,7 @@ from functools import cache
 import mlx.core as mx
 
 _SIXTEEN = (mx.float16, mx.bfloat16)
+STEP = 256  # tokens a store grows by
 
 
 def sixteen_bit(x: mx.array) -> mx.array:
@@ -39,6 +40,43 @@ def unrotate(x: mx.array) -> mx.array:
     return wide @ rotation_matrix(dim).T
 
 
+def joined(chunks: list[mx.array], capacity: int, dtype: mx.Dtype | None = None) -> mx.array:
+    """Chunks of a run of layers' tokens (layers first, tokens on axis 3) in one array
+    of `dtype` (the first chunk's if None), with zero rows after them up to `capacity`
+    tokens: one copy, however many layers and chunks."""
+    first = chunks[0]
+    dtype = dtype or first.dtype
+    room = capacity - sum(chunk.shape[3] for chunk in chunks)
+    pad = mx.zeros((*first.shape[:3], room, first.shape[4]), dtype)
+    return mx.concatenate([*(as_dtype(chunk, dtype) for chunk in chunks), pad], axis=3)
+
+
+def joined_rows(chunks: list[mx.array], capacity: int, dtype: mx.Dtype) -> list[mx.array]:
+    """`joined`, as an array per layer. Chunks already in `dtype` go into one buffer
+    that each layer holds a row of (a few graph nodes for the whole run); converted
+    ones go layer by layer, each conversion small enough to stay in the CPU's cache
+    (whole chunks converted first, then copied, took 1.3x as long: float16 to float32
+    on the CPU path)."""
+    if chunks[0].dtype == dtype:
+        return layer_rows(joined(chunks, capacity))
+    rows = [layer_rows(chunk) for chunk in chunks]
+    first = chunks[0]
+    room = capacity - sum(chunk.shape[3] for chunk in chunks)
+    pad = mx.zeros((1, first.shape[2], room, first.shape[4]), dtype)
+    return [
+        mx.concatenate([*(row[i].astype(dtype) for row in rows), pad], axis=2)
+        for i in range(first.shape[0])
+    ]
+
+
+def layer_rows(stacked: mx.array) -> list[mx.array]:
+    """A run's buffer (layers first, then a batch of one) as an array per layer, each
+    a view of its row: one split for them all (an index per layer is a graph node
+    each, and on the CPU every node costs)."""
+    layers = stacked.shape[0]
+    return mx.split(stacked.reshape(layers * stacked.shape[1], *stacked.shape[2:]), layers)
+
+
 @cache
 def rotation_matrix(dim: int) -> mx.array:
     """`rotate` as a matrix on row vectors: rotate(x) == x @ _rotation(dim)."""
@@ -50,7 +88,7 @@ class TokenStore:
     quantized, in a buffer that grows in steps and can drop tokens from its front."""
 
     def __init__(
-        self, bits: int | None, group_size: int, rotate: bool = False, step: int = 256
+        self, bits: int | None, group_size: int, rotate: bool = False, step: int = STEP
     ) -> None:
         self.bits, self.group_size, self.rotate, self.step = bits, group_size, rotate, step
         self.buffers: list[mx.array] = []
@@ -88,6 +126,11 @@ class TokenStore:
         for buffer, part in zip(self.buffers, parts, strict=True):
             buffer[..., self.hi : self.hi + n, :] = part
         self.hi += n
+
+    def hold(self, buffers: list[mx.array], rows: int) -> None:
+        """Take `buffers` as they are, their first `rows` tokens held and the rest room
+        for the tokens to come (a restore builds them)."""
+        self.buffers, self.lo, self.hi = list(buffers), 0, rows
 
     def _regrow(self, n: int, parts: list[mx.array]) -> None:
         """Move the live tokens to the front of a buffer with room for `n` more."""

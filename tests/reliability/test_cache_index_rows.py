@@ -10,7 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sessions.cachefiles import CacheIndex, CacheRejected, ConversationCache, write_file
+from sessions.cachefiles import (
+    CacheIndex,
+    CacheRejected,
+    ConversationCache,
+    write_file,
+)
+from sessions.chunkio import advise_reading
 from sessions.db import open_db
 
 KEYS = ["ab" * 20, "cd" * 20]
@@ -46,6 +52,18 @@ def test_intact_rows_read_back(index):
     tensors, _, row = index.read_chunk(KEYS[1], {**EXPECT, "key": KEYS[1]})
     assert row["bytes"] == index.chunk_path(KEYS[1]).stat().st_size
     assert np.array_equal(tensors["0.k.0"], chunk_tensors(CHUNK, len(TOKENS))["0.k.0"])
+
+
+def test_chunks_touched_by_a_restore_outlive_older_ones_at_eviction(index):
+    """The chunk written first but read since is the one kept: eviction goes by use."""
+    index.touch([KEYS[0]])
+    size = index.chunk(KEYS[0])["bytes"]
+    index.evict_to_budget(size)
+    assert index.chunk(KEYS[0]) is not None and index.chunk(KEYS[1]) is None
+    touched = index.chunk(KEYS[0])["last_used"]
+    index.touch([KEYS[0]])
+    assert index.chunk(KEYS[0])["last_used"] > touched  # committed, as a new connection sees
+    assert CacheIndex(open_db()).chunk(KEYS[0])["last_used"] > touched
 
 
 DEEP = "[" * 50_000 + "]" * 50_000
@@ -185,6 +203,7 @@ def test_a_damaged_chunk_row_is_a_rejection_and_is_dropped(index, damage):
 )
 def test_something_other_than_the_file_at_its_path_is_a_rejection(index, tmp_path, how):
     _replace_file(index, tmp_path, how)
+    advise_reading([index.chunk_path(key) for key in KEYS])  # a hint: never waits nor raises
     with pytest.raises(CacheRejected):
         index.read_chunk(KEYS[0], {**EXPECT, "key": KEYS[0]})
     assert index.chunk(KEYS[0]) is None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
+from tampering import as_format
 
 from sessions import paths, repair
 from sessions.cachefiles import CacheIndex, ConversationCache, write_file
@@ -178,6 +179,26 @@ def test_rows_whose_files_are_gone_are_dropped_and_old_formats_once(app_dirs):
     assert not index.chunk_path(keys[2]).exists()
     assert index.chunk(keys[0]) is not None and index.verify() == []
     assert repair.on_start(open_db()) == dict.fromkeys(report, 0)
+
+
+def test_chunks_of_format_3_are_kept_as_they_are_still_read(app_dirs):
+    """Format 4 reads format 3 files: a start after the upgrade keeps them (a save
+    would otherwise write every saved conversation's cache again), and drops a file of
+    a format it cannot read (a newer Reprise's)."""
+    index = CacheIndex(open_db())
+    keys = [c * 40 for c in "de"]
+    for key, version in zip(keys, ("3", "5"), strict=True):
+        path = index.chunk_path(key)
+        metadata = {"model": "m", "kv_format": "float16", "key": key}
+        metadata |= {"token_start": "0", "token_end": "4"}
+        write_file(path, {"0-0.k.0": np.zeros((1, 1, 2, 4, 8), np.float16)}, metadata)
+        index.add_chunk(key, path, path.stat().st_size, "m", "float16", 0, 4)
+        as_format(index, key, version)
+    report = repair.on_start(open_db())
+    assert report["old_format_chunks"] == 1
+    assert index.chunk(keys[0]) is not None and index.chunk_path(keys[0]).is_file()
+    assert index.chunk(keys[1]) is None and not index.chunk_path(keys[1]).exists()
+    assert index.verify() == []
 
 
 def test_repairs_keep_every_message(app_dirs):

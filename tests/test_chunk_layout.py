@@ -1,0 +1,143 @@
+"""Chunk files of format 4 stack alike layers into one tensor per part ("0-1.k.0"),
+so that a small (quantized) cache is not read, checked and joined tensor by tensor;
+files of format 3 (a tensor per layer) saved before still reopen, bit for bit, also
+beside format 4 ones in one conversation; a stacked file that lies about its layers
+is refused and the turn recomputes, losing nothing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tampering import as_format_3, rewrite_chunk
+from test_cache_files import fresh_reply, new_engine, turn
+from test_families import assert_identical
+
+from app.engine.conversation import TurnOptions
+from app.engine.generation import KVSettings, SamplingSettings
+from sessions.cachefiles import CacheIndex, path_from_url, tensor_names
+from sessions.chunkio import file_format
+from sessions.db import open_db
+
+TEXTS = (
+    "a message long enough to fill several chunks of sixteen tokens, and then some more",
+    "and a second one after it",
+)
+SCHEMES = {"16-bit": None, "8-bit": 8, "4-bit": 4}
+
+
+def options(bits: int | None) -> TurnOptions:
+    return TurnOptions(sampling=SamplingSettings.greedy(10), kv=KVSettings(bits, 32))
+
+
+def saved(loaded, bits: int | None) -> int:
+    engine = new_engine(loaded)
+    conversation = engine.store.create(loaded.name)
+    for text in TEXTS:
+        turn(engine, conversation.id, text, options(bits))
+    return conversation.id
+
+
+def restored(loaded, conversation_id: int) -> list:
+    engine = new_engine(loaded)
+    entry = engine.index.conversation(conversation_id)
+    result = engine.kvstore.restore(entry, len(entry.tokens))
+    assert result.rejected is None and result.tokens == entry.tokens
+    return result.cache
+
+
+@pytest.mark.parametrize("bits", SCHEMES.values(), ids=SCHEMES.keys())
+def test_a_chunk_file_holds_one_tensor_per_part_for_all_its_layers(tiny_model, bits):
+    conversation_id = saved(tiny_model, bits)
+    index = CacheIndex(open_db())
+    parts = {"k.0", "v.0"} if bits is None else {f"{p}.{n}" for p in "kv" for n in range(3)}
+    for key in index.conversation(conversation_id).chunk_keys:
+        names = tensor_names(path_from_url(index.chunk(key)["url"]))
+        assert {name.partition(".")[0] for name in names} == {"0-1"}  # both layers
+        assert parts <= {name.partition(".")[2] for name in names}
+
+
+@pytest.mark.parametrize("bits", SCHEMES.values(), ids=SCHEMES.keys())
+@pytest.mark.parametrize("old", ["every chunk", "the first chunks"])
+def test_chunk_files_of_format_3_still_reopen_bit_for_bit(tiny_model, bits, old):
+    conversation_id = saved(tiny_model, bits)
+    from_format_4 = restored(tiny_model, conversation_id)
+    index = CacheIndex(open_db())
+    keys = index.conversation(conversation_id).chunk_keys
+    assert len(keys) > 3
+    for key in keys if old == "every chunk" else keys[:2]:
+        as_format_3(index, key)
+        assert file_format(path_from_url(index.chunk(key)["url"])) == "3"
+
+    assert_identical(restored(tiny_model, conversation_id), from_format_4)
+    engine = new_engine(tiny_model)
+    saved_tokens = engine.index.conversation(conversation_id).tokens
+    finished, _ = turn(engine, conversation_id, "and once more", options(bits))
+    assert finished.restore.source == "disk"
+    assert finished.stats.reused_tokens == len(saved_tokens)
+    assert finished.text == fresh_reply(
+        tiny_model, engine, conversation_id, options(bits), known=saved_tokens
+    )
+
+
+def _renamed(tensors: dict, _metadata: dict, span: str) -> None:
+    for name in list(tensors):
+        part = name.partition(".")[2]
+        array = tensors.pop(name)
+        tensors[f"{span}.{part}"] = np.concatenate([array, array[-1:]]) if span == "0-2" else array
+
+
+def _one_more_run(tensors: dict, _metadata: dict) -> None:
+    for name in list(tensors):
+        tensors[f"1-1.{name.partition('.')[2]}"] = tensors[name][1:]
+
+
+def _first_layer_only(tensors: dict, _metadata: dict) -> None:
+    for name in list(tensors):
+        tensors[f"0-0.{name.partition('.')[2]}"] = tensors.pop(name)[:1]
+
+
+def _short_run(tensors: dict, _metadata: dict) -> None:
+    keys = next(name for name in tensors if name.endswith(".k.0"))
+    tensors[keys] = tensors[keys][:1]
+
+
+def _beside_format_3(tensors: dict, _metadata: dict) -> None:
+    keys = next(name for name in tensors if name.endswith(".k.0"))
+    tensors["0.k.0"] = tensors[keys][0]
+
+
+def _unlike_classes(_tensors: dict, metadata: dict) -> None:
+    metadata["classes"] = json.dumps(["KVCache", "MixedKVCache"])
+
+
+# (what is changed, in which chunk, the reason the restore gives)
+LIES = {
+    "layers past the model's": (lambda t, m: _renamed(t, m, "0-2"), 1, "unexpected tensor '0-2."),
+    "a number written oddly": (lambda t, m: _renamed(t, m, "0-01"), 1, "unexpected tensor '0-01."),
+    "a layer in two runs": (_one_more_run, 1, "layers 1-1 are in two runs"),
+    "a layer in no run": (_first_layer_only, 1, "layer 1 has the wrong tensors"),
+    "a run shorter than its layers": (_short_run, 1, "k.0 has the wrong shape (1,"),
+    "a format 3 tensor beside its run": (_beside_format_3, 1, "layers 0-0 are in two runs"),
+    # In the first chunk: the next ones would disagree with its classes.
+    "a run of unlike layers": (_unlike_classes, 0, "layers 0-1 are not alike"),
+}
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["16-bit", "4-bit"])
+@pytest.mark.parametrize("lie", LIES.values(), ids=LIES.keys())
+def test_a_file_that_lies_about_its_layers_is_refused_and_the_turn_recomputes(
+    tiny_model, bits, lie
+):
+    change, chunk, reason = lie
+    conversation_id = saved(tiny_model, bits)
+    index = CacheIndex(open_db())
+    rewrite_chunk(index, index.conversation(conversation_id).chunk_keys[chunk], change)
+
+    engine = new_engine(tiny_model)
+    finished, _ = turn(engine, conversation_id, "are you still there", options(bits))
+    assert finished.restore.source == "recompute"
+    assert reason in finished.restore.rejected
+    assert finished.text == fresh_reply(tiny_model, engine, conversation_id, options(bits))
+    assert len(engine.store.get(conversation_id).messages) == 2 * len(TEXTS) + 2
