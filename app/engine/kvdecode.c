@@ -137,35 +137,34 @@ VECTOR_INLINE v8 lane_sums(const v8 *acc)
 }
 #endif
 
-/* A group's scale and bias of token t (1 and 0 for float16 rows). */
-static inline void scale_bias(const uint16_t *scales, const uint16_t *biases,
-                              ptrdiff_t scale_stride, int t, int g, float *s, float *b)
-{
-    if (scales == NULL) {
-        *s = 1.0f;
-        *b = 0.0f;
-    } else {
-        *s = half_to_float(scales[t * scale_stride + g]);
-        *b = half_to_float(biases[t * scale_stride + g]);
-    }
-}
-
 /* Tokens go BLOCK at a time: their rows widened once into L1 and read by every
  * query, each token's products a separate chain, so the FMA units never wait on
  * one sum. */
 #define BLOCK 8
 _Static_assert(BLOCK == LANES, "lane_sums reduces one vector a row of a block");
 
-/* Rows [t, t + n) widened into `wide` (BLOCK rows of `dim`); rows past n zeroed. */
-static inline void widen_block(const uint8_t *rows, ptrdiff_t row_stride, int t, int n,
-                               int dim, int bits, float *wide)
+/* The block of tokens from t, what both products read of it: the rows widened into
+ * `wide` (BLOCK rows of `dim`, rows past the last token zeroed) and each group's
+ * scales and biases into `s` and `b` (group g's at g * BLOCK; 1 and 0 for float16
+ * rows). Returns how many tokens the block holds. */
+static inline int load_block(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
+                             const uint16_t *biases, ptrdiff_t scale_stride, int t, int tokens,
+                             int dim, int bits, int groups, float *wide, float *s, float *b)
 {
+    int n = tokens - t < BLOCK ? tokens - t : BLOCK;
     for (int r = 0; r < BLOCK; r++) {
         if (r < n)
             widen_row(rows + (t + r) * row_stride, dim, bits, wide + r * dim);
         else
             memset(wide + r * dim, 0, dim * sizeof(float));
     }
+    for (int g = 0; g < groups; g++)
+        for (int r = 0; r < n; r++) {
+            const ptrdiff_t at = (t + r) * scale_stride + g;
+            s[g * BLOCK + r] = scales == NULL ? 1.0f : half_to_float(scales[at]);
+            b[g * BLOCK + r] = scales == NULL ? 0.0f : half_to_float(biases[at]);
+        }
+    return n;
 }
 
 /* out[j, t] = q_j . row_t for `tokens` rows `row_stride` bytes apart; scales and
@@ -186,14 +185,12 @@ void reprise_kv_scores(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t
                 sum += q[j * dim + g * size + d];
             sums[j * groups + g] = sum;
         }
-    float wide[BLOCK * MAX_DIM];
+    float wide[BLOCK * MAX_DIM], s[MAX_GROUPS * BLOCK], b[MAX_GROUPS * BLOCK];
     for (int t = 0; t < tokens; t += BLOCK) {
-        int n = tokens - t < BLOCK ? tokens - t : BLOCK;
-        widen_block(rows, row_stride, t, n, dim, bits, wide);
+        int n = load_block(rows, row_stride, scales, biases, scale_stride, t, tokens, dim, bits,
+                           groups, wide, s, b);
         for (int g = 0; g < groups; g++) {
-            float s[BLOCK], b[BLOCK];
-            for (int r = 0; r < n; r++)
-                scale_bias(scales, biases, scale_stride, t + r, g, &s[r], &b[r]);
+            const float *gs = s + g * BLOCK, *gb = b + g * BLOCK;
             for (int j = 0; j < queries; j++) {
                 const float *qg = q + j * dim + g * size;
                 v8 acc[BLOCK] = {{0}};
@@ -205,7 +202,7 @@ void reprise_kv_scores(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t
                 v8 dots = lane_sums(acc);
                 float *into = out + j * out_stride + t;
                 for (int r = 0; r < n; r++) {
-                    float score = s[r] * dots[r] + b[r] * sums[j * groups + g];
+                    float score = gs[r] * dots[r] + gb[r] * sums[j * groups + g];
                     into[r] = g == 0 ? score : into[r] + score;
                 }
             }
@@ -223,20 +220,18 @@ void reprise_kv_values(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t
 {
     int size = dim / groups;
     float bias_terms[MAX_QUERIES * MAX_GROUPS] = {0};
-    float wide[BLOCK * MAX_DIM];
+    float wide[BLOCK * MAX_DIM], s[MAX_GROUPS * BLOCK], b[MAX_GROUPS * BLOCK];
     for (int t = 0; t < tokens; t += BLOCK) {
-        int n = tokens - t < BLOCK ? tokens - t : BLOCK;
-        widen_block(rows, row_stride, t, n, dim, bits, wide);
+        int n = load_block(rows, row_stride, scales, biases, scale_stride, t, tokens, dim, bits,
+                           groups, wide, s, b);
         for (int g = 0; g < groups; g++) {
-            float s[BLOCK], b[BLOCK];
-            for (int r = 0; r < n; r++)
-                scale_bias(scales, biases, scale_stride, t + r, g, &s[r], &b[r]);
+            const float *gs = s + g * BLOCK, *gb = b + g * BLOCK;
             for (int j = 0; j < queries; j++) {
                 const float *weights = w + j * w_stride + t;
                 float ws[BLOCK] = {0};  /* rows past n weigh nothing */
                 for (int r = 0; r < n; r++) {
-                    ws[r] = weights[r] * s[r];
-                    bias_terms[j * groups + g] += weights[r] * b[r];
+                    ws[r] = weights[r] * gs[r];
+                    bias_terms[j * groups + g] += weights[r] * gb[r];
                 }
                 float *into = out + j * dim + g * size;
                 for (int i = 0; i < size; i += LANES) {
