@@ -194,22 +194,28 @@ class KVStore:
         """(key, start, end) of the entry's chunks that are on the index, in order, up
         to the first evicted one; `CacheRejected` when their rows and the entry's
         tokens disagree (each key is recomputed over the spans its rows give)."""
-        ends: list[int] = []
+        return [(key, start, end) for key, start, end, _ in self._saved_rows(entry)]
+
+    def _saved_rows(self, entry: ConversationCache) -> list[tuple[str, int, int, dict]]:
+        """`saved_chunks`, each with its index row (read once: a restore needs the rows'
+        paths and sizes too)."""
+        rows: list[dict] = []
         for key in entry.chunk_keys:
             row = self.index.chunk(key)
             if row is None:
                 break
             start, end = row["token_start"], row["token_end"]
-            if start != (ends[-1] if ends else 0) or end <= start:
+            if start != (rows[-1]["token_end"] if rows else 0) or end <= start:
                 raise CacheRejected("chunk spans do not follow each other")
-            ends.append(end)
+            rows.append(row)
+        ends = [row["token_end"] for row in rows]
         whole = len(ends) == len(entry.chunk_keys)
         if ends and (ends[-1] > len(entry.tokens) or (whole and ends[-1] != len(entry.tokens))):
             raise CacheRejected("chunk spans do not match the tokens")
         chunks = chain_keys(self.fingerprint, entry.kv_format, entry.tokens, ends)
         if [k for k, _, _ in chunks] != entry.chunk_keys[: len(chunks)]:
             raise CacheRejected("index does not match its tokens")
-        return chunks
+        return [(*chunk, row) for chunk, row in zip(chunks, rows, strict=True)]
 
     def have(self, key: str) -> bool:
         return self.index.chunk(key) is not None and self.index.chunk_path(key).is_file()
@@ -258,11 +264,10 @@ class KVStore:
     def chunk_bytes(self, entry: ConversationCache, usable: int) -> int:
         """The bytes of the chunks that hold the first `usable` tokens of `entry`."""
         try:
-            chunks = self.saved_chunks(entry)
+            chunks = self._saved_rows(entry)
         except CacheRejected:
             return 0
-        rows = (self.index.chunk(key) for key, start, _ in chunks if start < usable)
-        return sum(row["bytes"] for row in rows if row)
+        return sum(row["bytes"] for _, start, _, row in chunks if start < usable)
 
     def restore(self, entry: ConversationCache, usable: int) -> RestoreResult:
         """Rebuild the cache of the first `usable` saved tokens (see steps.reusable_prefix)."""
@@ -294,17 +299,12 @@ class KVStore:
         """The layers `entry`'s chunks hold (None where they hold none) for its first
         `usable` tokens, or fewer where a chunk was evicted; (layers, their token
         count, bytes read). Each chunk is checked by its layers' codecs."""
-        chunks = self.saved_chunks(entry)
-        files = []
-        for key, start, end in (c for c in chunks if c[1] < usable):
-            row = self.index.chunk(key)
-            if row is None:  # evicted since: restore what precedes it
-                break
-            files.append((key, start, end, path_from_url(row["url"], self.index.root), row))
-        read_ahead([path for *_, path, _ in files])  # the disk reads on while chunks are checked
+        chunks = [chunk for chunk in self._saved_rows(entry) if chunk[1] < usable]
+        paths = [path_from_url(row["url"], self.index.root) for *_, row in chunks]
+        read_ahead(paths)  # the disk reads on while chunks are checked
         join = ChunkJoin(self._shapes, entry.kv_format)
         total, size = 0, 0
-        for key, start, end, path, row in files:
+        for (key, start, end, row), path in zip(chunks, paths, strict=True):
             part = tokens_hash(entry.tokens[start:end])
             manifest = ChunkManifest(
                 self.fingerprint, entry.kv_format, key, start, end, part, len(self._shapes)
@@ -314,7 +314,7 @@ class KVStore:
             total, size = end, size + row["bytes"]
         if not total:
             raise CacheRejected("cache files were evicted")
-        self.index.touch([k for k, s, _ in chunks if s < total])
+        self.index.touch([key for key, *_ in chunks])
         return join.build(total - min(usable, total)), min(usable, total), size
 
 
