@@ -44,10 +44,8 @@ def joined(chunks: list[mx.array], capacity: int, dtype: mx.Dtype | None = None)
     """Chunks of a run of layers' tokens (layers first, tokens on axis 3) in one array
     of `dtype` (the first chunk's if None), with zero rows after them up to `capacity`
     tokens: one copy, however many layers and chunks."""
-    first = chunks[0]
-    dtype = dtype or first.dtype
-    room = capacity - sum(chunk.shape[3] for chunk in chunks)
-    pad = mx.zeros((*first.shape[:3], room, first.shape[4]), dtype)
+    dtype = dtype or chunks[0].dtype
+    pad = _room(chunks, capacity, dtype, chunks[0].shape[:3])
     return mx.concatenate([*(as_dtype(chunk, dtype) for chunk in chunks), pad], axis=3)
 
 
@@ -60,13 +58,18 @@ def joined_rows(chunks: list[mx.array], capacity: int, dtype: mx.Dtype) -> list[
     if chunks[0].dtype == dtype:
         return layer_rows(joined(chunks, capacity))
     rows = [layer_rows(chunk) for chunk in chunks]
-    first = chunks[0]
-    room = capacity - sum(chunk.shape[3] for chunk in chunks)
-    pad = mx.zeros((1, first.shape[2], room, first.shape[4]), dtype)
+    pad = _room(chunks, capacity, dtype, chunks[0].shape[1:3])
     return [
         mx.concatenate([*(row[i].astype(dtype) for row in rows), pad], axis=2)
-        for i in range(first.shape[0])
+        for i in range(chunks[0].shape[0])
     ]
+
+
+def _room(chunks: list[mx.array], capacity: int, dtype: mx.Dtype, lead: tuple) -> mx.array:
+    """Zero rows from the chunks' last token up to `capacity`, shaped `lead` + (rows,
+    width) (the chunks: layers first, tokens on axis 3)."""
+    room = capacity - sum(chunk.shape[3] for chunk in chunks)
+    return mx.zeros((*lead, room, chunks[0].shape[4]), dtype)
 
 
 def layer_rows(stacked: mx.array) -> list[mx.array]:
