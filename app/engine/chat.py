@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from app.engine import cpu_blas, cpu_threads
 from app.engine.cache_keys import describe_cache
 from app.engine.errors import UserError
 from app.engine.generation import (
@@ -173,6 +174,8 @@ class ChatSession:
         room = self.check_fits(len(prompt), max_context)
         self._check_kv(kv)
         mx.reset_peak_memory()
+        if cpu_blas.available():
+            cpu_threads.start_turn()
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)
         turn.reused = self._reuse_prefix(prompt, kv)
