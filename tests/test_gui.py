@@ -26,7 +26,7 @@ from app.ui.chat_view import ChatView
 from app.ui.main_window import MainWindow
 from app.ui.preferences import KV_FIGURES, PreferencesDialog, kv_tradeoffs
 from app.ui.setting_words import FIELDS
-from app.ui.turn_status import TurnStatus
+from app.ui.turn_status import TurnStatus, live_text
 from sessions import paths
 from sessions.db import open_db
 from sessions.settings import Settings
@@ -110,6 +110,15 @@ def test_stop_ends_the_reply_early(qtbot, open_window):
     assert last.state == "cancelled"
     assert last.stats["generated_tokens"] < 2000
     assert window.composer.button.text() == "Send"
+
+
+def test_after_a_click_on_stop_the_message_box_has_the_keyboard(qtbot, open_window):
+    window = open_window()
+    window.activateWindow()
+    start_long_reply(qtbot, window)
+    qtbot.mouseClick(window.composer.button, Qt.MouseButton.LeftButton)  # Stop
+    qtbot.waitUntil(lambda: not window.generating, timeout=READY_MS)
+    qtbot.waitUntil(lambda: QApplication.focusWidget() is window.composer.edit, timeout=2_000)
 
 
 def test_regenerate_and_edit_make_branches(qtbot, open_window, monkeypatch):
@@ -435,3 +444,8 @@ def test_a_chat_gets_its_own_system_prompt_from_the_header(qtbot, open_window):
     assert window.store.get(window.conversation_id).system_prompt == "Answer in French."
     window.new_chat()
     assert "(default): “You are helpful.”" in window.header.label.text()
+
+
+def test_the_live_count_says_one_token_not_one_tokens():
+    assert live_text(1, 0.5) == "≈1 token · 2.0 tok/s"
+    assert live_text(1_200, 0) == "≈1,200 tokens"

@@ -51,6 +51,8 @@ class Composer(QWidget):
     def set_generating(self, generating: bool) -> None:
         self.generating = generating
         self.button.setText("Stop" if generating else "Save" if self.editing else "Send")
+        if not generating and self.button.hasFocus():  # a click on Stop left it there
+            self.edit.setFocus()
 
     def begin_edit(self, message_id: int, text: str) -> None:
         """Put a sent message here to be rewritten; the draft waits until it is done."""

@@ -24,7 +24,7 @@ def live_text(pieces: int, seconds: float) -> str:
     """The streaming reply's figures. A piece is one streamed text segment, one token
     nearly always (a multi-byte character can take two), hence the "≈"."""
     rate = f" · {pieces / seconds:.1f} tok/s" if seconds > 0 else ""
-    return f"≈{pieces:,} tokens{rate}"
+    return f"≈{pieces:,} {'token' if pieces == 1 else 'tokens'}{rate}"
 
 
 def took(seconds: float) -> str:
