@@ -3,6 +3,8 @@ the transcript, branch arrows one can hit, export names any system accepts."""
 
 from __future__ import annotations
 
+import re
+
 from test_gui import library, open_window, prefer, send  # noqa: F401
 
 from app.ui.chat_view import ChatView
@@ -54,6 +56,7 @@ def test_the_two_cache_sizes_say_which_is_which(qtbot, open_window):  # noqa: F8
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=6)
     assert "in memory " in window.status.stats.text()
+    assert re.match(r"first token \d+ ms|first token \d+\.\d\d s", window.status.stats.text())
     assert "KV" not in window.status.stats.text()
     # One number is called the context: the meter's (the cache holds a few tokens fewer).
     assert "context" not in window.status.stats.text().lower()

@@ -40,15 +40,17 @@ def restore_text(source: str, tokens: int, seconds: float) -> str:
 
 
 def stats_text(reply: ReplyFinished) -> str:
-    """The turn's speed and what its cache holds. Not called "context": the meter under
-    the composer says how much of the context the chat takes (it counts the chat as the
-    next turn renders it, a few framing tokens more than the cache holds)."""
+    """The turn's speed (how soon its first token came, then tokens a second: a reopened
+    chat's first token is what the app is for) and what its cache holds. Not called
+    "context": the meter under the composer says how much of the context the chat takes
+    (it counts the chat as the next turn renders it, a few framing tokens more than the
+    cache holds)."""
     stats = reply.stats
     cached = stats.prompt_tokens + stats.generated_tokens
     kind = kv_label_of(stats.kv_format)  # the Preferences' words; the details in a tooltip
     return (
-        f"{stats.decode_tps:.1f} tok/s · in memory {cached:,} tokens, "
-        f"{stats.kv_bytes / 1e6:.1f} MB · {kind}"
+        f"first token {took(stats.ttft_s)} · {stats.decode_tps:.1f} tok/s"
+        f" · in memory {cached:,} tokens, {stats.kv_bytes / 1e6:.1f} MB · {kind}"
     )
 
 
