@@ -47,6 +47,24 @@ def test_this_processs_own_work_is_not_counted():
     assert busy < 0.6, busy  # counted, it would be about 1
 
 
+def test_only_the_cores_this_process_may_use_are_read(tmp_path, monkeypatch):
+    """Load on cores a container or an affinity mask keeps us off does not count."""
+    stat = tmp_path / "stat"
+    lines = lambda busy: [  # noqa: E731
+        f"cpu  {sum(busy)} 0 0 9000 0 0 0 0 0 0",
+        *(f"cpu{n} {b} 0 0 {3000 - b} 0 0 0 0 0 0" for n, b in enumerate(busy)),
+        "intr 12345",
+    ]
+    monkeypatch.setattr(cpu_threads, "PROC_STAT", stat)
+    monkeypatch.setattr(cpu_threads, "_allowed_cpus", lambda: {0, 1})
+    stat.write_text("\n".join(lines([100, 100, 100])) + "\n")
+    before = cpu_threads.sample()
+    stat.write_text("\n".join(lines([100, 100, 2100])) + "\n")  # cpu2 busy: not ours
+    after = cpu_threads.sample()
+    assert after.busy == before.busy and after.total == before.total
+    assert cpu_threads.cores() == 2
+
+
 def test_the_free_cores_rounded_and_never_none():
     assert [cpu_threads.threads_for(b, 2) for b in (0.0, 0.4, 0.6, 1.0, 1.9, 3.0)] == [
         2,

@@ -10,7 +10,8 @@ get.
 
 So each turn takes as many threads as the cores other processes left free
 since the last turn began (while the user read and typed): /proc/stat's busy
-time over that interval, less this process's own. The count changes only between turns, when
+time of the cores this process may use over that interval, less this
+process's own. The count changes only between turns, when
 no BLAS call is running (OpenBLAS does not allow changing it during one).
 `REPRISE_BLAS_THREADS=N` fixes it. Where there is no /proc/stat or no
 OpenBLAS, nothing is changed.
@@ -41,19 +42,27 @@ class CpuSample:
 
 
 def sample() -> CpuSample | None:
-    """Now, or None where /proc/stat cannot be read."""
+    """Now, over the cores this process may run on, or None where /proc/stat cannot
+    be read. (The machine-wide line would count load on cores a container or an
+    affinity mask keeps us off.)"""
     try:
-        fields = PROC_STAT.read_text().split("\n", 1)[0].split()
+        lines = PROC_STAT.read_text().splitlines()
     except OSError:
         return None
-    if not fields or fields[0] != "cpu" or len(fields) < 8:
+    allowed = {f"cpu{n}" for n in _allowed_cpus()}
+    busy = total = 0
+    for fields in (line.split() for line in lines):
+        if len(fields) < 8 or fields[0] not in allowed:
+            continue
+        user, nice, system, idle, iowait, irq, softirq = (int(x) for x in fields[1:8])
+        steal = int(fields[8]) if len(fields) > 8 else 0
+        busy += user + nice + system + irq + softirq + steal
+        total += user + nice + system + idle + iowait + irq + softirq + steal
+    if not total:
         return None
-    user, nice, system, idle, iowait, irq, softirq = (int(x) for x in fields[1:8])
-    steal = int(fields[8]) if len(fields) > 8 else 0
     hz = os.sysconf("SC_CLK_TCK")
-    busy = (user + nice + system + irq + softirq + steal) / hz
     times = os.times()
-    return CpuSample(busy, busy + (idle + iowait) / hz, times.user + times.system, time.monotonic())
+    return CpuSample(busy / hz, total / hz, times.user + times.system, time.monotonic())
 
 
 def others_busy(before: CpuSample, after: CpuSample) -> float | None:
@@ -71,8 +80,14 @@ def threads_for(busy_elsewhere: float, cores: int) -> int:
     return max(1, min(cores, int(cores - busy_elsewhere + 0.5)))
 
 
+def _allowed_cpus() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
 def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return len(_allowed_cpus())
 
 
 def _set_threads(count: int) -> bool:
