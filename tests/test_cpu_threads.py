@@ -14,7 +14,7 @@ from app.engine.chat import ChatSession
 from app.engine.generation import TurnFinished
 
 pytestmark = pytest.mark.skipif(
-    cpu_threads.sample() is None or cpu_threads.threads() is None,
+    cpu_threads.sample() is None or cpu_blas.threads() is None,
     reason="needs /proc/stat and OpenBLAS",
 )
 
@@ -84,9 +84,9 @@ def test_turns_back_to_back_keep_the_count():
 
 @pytest.fixture
 def restore_threads():
-    count = cpu_threads.threads()
+    count = cpu_blas.threads()
     yield
-    cpu_threads._set_threads(count)
+    cpu_blas.set_threads(count)
 
 
 @pytest.mark.skipif(not cpu_blas.available(), reason="the CPU path's BLAS")
@@ -94,7 +94,7 @@ def test_a_turn_beside_a_busy_process_takes_one_thread(tiny_model, restore_threa
     monkeypatch.delenv("REPRISE_BLAS_THREADS", raising=False)
     monkeypatch.setattr(cpu_threads, "cores", lambda: 2)
     monkeypatch.setattr(cpu_threads, "_turns", cpu_threads.TurnThreads())
-    cpu_threads._set_threads(2)
+    cpu_blas.set_threads(2)
     spinner = busy_process()
     try:
         time.sleep(1.0)
@@ -103,9 +103,9 @@ def test_a_turn_beside_a_busy_process_takes_one_thread(tiny_model, restore_threa
         spinner.kill()
         spinner.wait()
     assert isinstance(events[-1], TurnFinished)  # the turn ran to its end
-    assert cpu_threads.threads() == 1
+    assert cpu_blas.threads() == 1
 
 
 def test_the_switch_fixes_the_count(restore_threads, monkeypatch):
     monkeypatch.setenv("REPRISE_BLAS_THREADS", "1")
-    assert cpu_threads.TurnThreads().start_turn() == 1 and cpu_threads.threads() == 1
+    assert cpu_threads.TurnThreads().start_turn() == 1 and cpu_blas.threads() == 1

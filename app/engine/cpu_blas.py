@@ -68,6 +68,19 @@ def _openblas() -> ctypes.CDLL:
     return _library
 
 
+def set_threads(count: int) -> bool:
+    """Resize OpenBLAS's thread pool (never while a BLAS call runs); False without it."""
+    if blas.CHOICE.name != "openblas":
+        return False
+    _openblas().openblas_set_num_threads(count)
+    return True
+
+
+def threads() -> int | None:
+    """OpenBLAS's thread count now (None without OpenBLAS)."""
+    return _openblas().openblas_get_num_threads() if blas.CHOICE.name == "openblas" else None
+
+
 def available() -> bool:
     """Whether products go through OpenBLAS here: it is loaded and mlx runs on the CPU."""
     return blas.CHOICE.name == "openblas" and mx.default_device() == mx.cpu

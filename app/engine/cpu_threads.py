@@ -19,13 +19,12 @@ OpenBLAS, nothing is changed.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.engine import blas
+from app.engine import cpu_blas
 
 PROC_STAT = Path("/proc/stat")
 MIN_WINDOW = 0.25  # seconds between turns below which the load is not judged
@@ -46,10 +45,19 @@ def sample() -> CpuSample | None:
     be read. (The machine-wide line would count load on cores a container or an
     affinity mask keeps us off.)"""
     try:
-        lines = PROC_STAT.read_text().splitlines()
-    except OSError:
+        busy, total = _jiffies(PROC_STAT.read_text().splitlines(), _allowed_cpus())
+    except (OSError, ValueError):  # unreadable, or not the layout the kernel documents
         return None
-    allowed = {f"cpu{n}" for n in _allowed_cpus()}
+    if not total:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    times = os.times()
+    return CpuSample(busy / hz, total / hz, times.user + times.system, time.monotonic())
+
+
+def _jiffies(lines: list[str], cpus: set[int]) -> tuple[int, int]:
+    """Busy and all clock ticks of the per-CPU lines of `cpus`."""
+    allowed = {f"cpu{n}" for n in cpus}
     busy = total = 0
     for fields in (line.split() for line in lines):
         if len(fields) < 8 or fields[0] not in allowed:
@@ -58,11 +66,7 @@ def sample() -> CpuSample | None:
         steal = int(fields[8]) if len(fields) > 8 else 0
         busy += user + nice + system + irq + softirq + steal
         total += user + nice + system + idle + iowait + irq + softirq + steal
-    if not total:
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    times = os.times()
-    return CpuSample(busy / hz, total / hz, times.user + times.system, time.monotonic())
+    return busy, total
 
 
 def others_busy(before: CpuSample, after: CpuSample) -> float | None:
@@ -90,25 +94,6 @@ def cores() -> int:
     return len(_allowed_cpus())
 
 
-def _set_threads(count: int) -> bool:
-    if blas.CHOICE.name != "openblas" or not blas.CHOICE.path:
-        return False
-    library = ctypes.CDLL(blas.CHOICE.path)
-    setter = getattr(library, "openblas_set_num_threads", None)
-    if setter is None:
-        return False
-    setter(count)
-    return True
-
-
-def threads() -> int | None:
-    """OpenBLAS's thread count now (None without OpenBLAS)."""
-    if blas.CHOICE.name != "openblas" or not blas.CHOICE.path:
-        return None
-    getter = getattr(ctypes.CDLL(blas.CHOICE.path), "openblas_get_num_threads", None)
-    return getter() if getter is not None else None
-
-
 class TurnThreads:
     """Chooses the thread count at the start of each turn from the load since the
     start of the last one (or since it was made); this process's own time, its
@@ -121,7 +106,7 @@ class TurnThreads:
         """Set the count for the turn about to run; returns it (None: left alone)."""
         fixed = os.environ.get("REPRISE_BLAS_THREADS", "")
         if fixed.isdigit() and int(fixed) > 0:
-            return int(fixed) if _set_threads(int(fixed)) else None
+            return int(fixed) if cpu_blas.set_threads(int(fixed)) else None
         now = sample()
         if now is None or self._since is None:
             return None
@@ -130,7 +115,7 @@ class TurnThreads:
             return None  # turns back to back: keep the count, and the window
         self._since = now
         count = threads_for(busy, cores())
-        return count if _set_threads(count) else None
+        return count if cpu_blas.set_threads(count) else None
 
 
 _turns = TurnThreads()  # one for the process: the thread count is the library's

@@ -8,14 +8,12 @@ reopened turn's shape). Run from the project root with an imported model:
         the same beside a process that keeps one core busy
 """
 
-import ctypes
 import statistics
 import sys
 import time
 
-from app.engine.loading import load  # app.engine loads OpenBLAS before mlx
-
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+from app.engine import cpu_blas  # app.engine loads OpenBLAS before mlx
+from app.engine.loading import load
 
 
 def main() -> None:
@@ -23,7 +21,6 @@ def main() -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     folder, context, turn = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    blas = ctypes.CDLL(OPENBLAS)
     model = load(folder).model
     ids = mx.random.randint(100, 20000, (context + 64,), key=mx.random.key(1))
     cache = make_prompt_cache(model)
@@ -46,7 +43,7 @@ def main() -> None:
         times = {1: [], 2: []}
         for _ in range(6):
             for threads in times:
-                blas.openblas_set_num_threads(threads)
+                cpu_blas.set_threads(threads)
                 started = time.perf_counter()
                 fed(tokens)
                 times[threads].append((time.perf_counter() - started) / per)
