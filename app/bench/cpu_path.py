@@ -6,10 +6,10 @@ nothing of Reprise in it, then the engine in this process. Figures are tokens
 per second, and the ratio engine / plain.
 
 `--context N ...` adds long prompts: the engine's prefill of N tokens and its
-decode after them, as it runs, then with mlx's matmul for one-row products
-(the `cpu_blas` switch), then with mlx's attention as well (`cpu_attention`),
-and with `--peer llama.cpp` llama.cpp's prefill and decode on the same GGUF
-and tokens.
+decode after them, as it runs, then with mlx's layers in decode steps (the
+`cpu_layers` switch), then with mlx's matmul for one-row products as well
+(`cpu_blas`), then with mlx's attention too (`cpu_attention`), and with
+`--peer llama.cpp` llama.cpp's prefill and decode on the same GGUF and tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from app.bench import llama_cpp_peer
-from app.engine import cpu_attention, cpu_blas, loading, models
+from app.engine import cpu_attention, cpu_blas, cpu_layers, loading, models
 from app.engine.chat import ChatSession
 from app.engine.generation import SamplingSettings, TurnFinished
 from app.resource_files import resource
@@ -30,11 +30,12 @@ from sessions import paths
 
 TEXT = resource("text/ordinary-english.txt")
 DECODE_TOKENS = 32
-# (row name, (cpu_blas.enabled, cpu_attention.enabled))
+# (row name, (cpu_layers.enabled, cpu_blas.enabled, cpu_attention.enabled))
 VARIANTS = (
-    ("engine", (True, True)),
-    ("engine_mlx_products", (False, True)),
-    ("engine_mlx_attention", (False, False)),
+    ("engine", (True, True, True)),
+    ("engine_mlx_layers", (False, True, True)),
+    ("engine_mlx_products", (False, False, True)),
+    ("engine_mlx_attention", (False, False, False)),
 )
 
 
@@ -80,15 +81,16 @@ def measure_engine(loaded: loading.LoadedModel, prompt: list[int]) -> dict:
 
 
 def measure_context(loaded: loading.LoadedModel, prompt: list[int], gguf: Path | None) -> dict:
-    """One long prompt: the engine as it runs, then with mlx's one-row products
-    (`cpu_blas` off), then with mlx's attention too, then llama.cpp."""
+    """One long prompt: the engine as it runs, then with mlx's layers in decode steps
+    (`cpu_layers` off), with mlx's one-row products too (`cpu_blas` off), with mlx's
+    attention too, then llama.cpp."""
     row: dict = {"context": len(prompt)}
     for name, switches_on in VARIANTS:
-        cpu_blas.enabled, cpu_attention.enabled = switches_on
+        cpu_layers.enabled, cpu_blas.enabled, cpu_attention.enabled = switches_on
         try:
             row[name] = measure_engine(loaded, prompt)
         finally:
-            cpu_blas.enabled = cpu_attention.enabled = True
+            cpu_layers.enabled = cpu_blas.enabled = cpu_attention.enabled = True
     if gguf is not None:
         row["llama_cpp"] = llama_cpp_peer.speed(gguf, prompt, DECODE_TOKENS)
         row["decode_vs_llama_cpp"] = row["engine"]["decode_tps"] / row["llama_cpp"]["decode_tps"]
@@ -120,7 +122,8 @@ def context_text(row: dict) -> str:
     parts = [f"{row['context']:>7} tokens"]
     for name, label in (
         ("engine", "engine"),
-        ("engine_mlx_products", "mlx products"),
+        ("engine_mlx_layers", "mlx layers"),
+        ("engine_mlx_products", "and mlx products"),
         ("engine_mlx_attention", "and mlx attention"),
         ("llama_cpp", "llama.cpp"),
     ):

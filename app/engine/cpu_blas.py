@@ -176,20 +176,26 @@ def _one_row(x: mx.array, weight: mx.array) -> bool:
     )
 
 
+def gemv(weight: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """`weight @ row` for a C-contiguous float32 matrix and a float32 vector."""
+    outputs, inputs = weight.shape
+    row = np.ascontiguousarray(row, np.float32)
+    out = np.empty(outputs, dtype=np.float32)
+    _openblas().cblas_sgemv(
+        _ROW_MAJOR, _NO_TRANS, outputs, inputs, 1.0,
+        weight.ctypes.data, inputs, row.ctypes.data, 1, 0.0, out.ctypes.data, 1,
+    )  # fmt: skip
+    return out
+
+
 def row_times_transposed(x: mx.array, weight: mx.array) -> mx.array:
     """`x @ weight.T` for a single row `x` (any leading shape of size 1)."""
-    outputs, inputs = weight.shape
     mx.eval(x, weight)
     w = np.asarray(weight)  # mlx's own buffer, no copy
     if not w.flags.c_contiguous:
         return x @ weight.T
-    row = np.ascontiguousarray(np.asarray(x).reshape(inputs))
-    out = np.empty(outputs, dtype=np.float32)
-    _openblas().cblas_sgemv(
-        _ROW_MAJOR, _NO_TRANS, outputs, inputs, 1.0,
-        w.ctypes.data, inputs, row.ctypes.data, 1, 0.0, out.ctypes.data, 1,
-    )  # fmt: skip
-    return mx.array(out).reshape(*x.shape[:-1], outputs)
+    out = gemv(w, np.asarray(x).reshape(w.shape[1]))
+    return mx.array(out).reshape(*x.shape[:-1], w.shape[0])
 
 
 class RowLinear(nn.Linear):

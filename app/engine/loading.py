@@ -23,7 +23,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from app.engine import blas, cpu_blas, kvattention
+from app.engine import blas, cpu_blas, cpu_layers, kvattention
 from app.engine.errors import UserError
 
 # Dequantize on the CPU only while float32 weights take at most this share of RAM.
@@ -92,9 +92,10 @@ def load(path: Path, compute: str = "auto") -> LoadedModel:
     chosen = _choose_compute(model, compute)
     if chosen.weights.startswith("float32"):
         _dequantize(model, mx.float32)
-        if cpu_blas.available():
-            cpu_blas.install(model)
     mx.eval(model.parameters())
+    if chosen.weights.startswith("float32") and cpu_blas.available():
+        cpu_blas.install(model)
+        cpu_layers.install(model)
     # The model's module is imported now: its attention calls go through the app's
     # router (packed KV caches, and numpy attention on the CPU path).
     kvattention.install()

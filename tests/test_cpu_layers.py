@@ -1,0 +1,140 @@
+"""A decode step's layers in numpy (app/engine/cpu_layers.py) against mlx's own layers:
+the same logits step after step, for each family it takes and each KV setting, and
+the starter model's replies."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
+from mlx_lm.models.cache import make_prompt_cache
+
+from app.engine import cpu_blas, cpu_layers
+from app.engine.chat import ChatSession
+from app.engine.generation import KVSettings, SamplingSettings, TextDelta
+from app.engine.kvconvert import quantizer
+from app.engine.kvscheme import scheme_for
+
+pytestmark = pytest.mark.skipif(
+    not cpu_blas.available(), reason="the numpy layers are for the CPU path only"
+)
+
+_SMALL = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 300,
+}
+FAMILIES = {
+    "llama": (llama, {"tie_word_embeddings": False}),
+    "llama-biases-llama3-rope": (
+        llama,
+        {
+            "attention_bias": True,
+            "mlp_bias": True,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "llama-sliding": (
+        llama,
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16},
+    ),
+    "qwen2": (qwen2, {"rope_theta": 1e6}),
+    "qwen3": (
+        qwen3,
+        {
+            "head_dim": 32,
+            "max_position_embeddings": 4096,
+            "rope_theta": 1e6,
+            "tie_word_embeddings": True,
+        },
+    ),
+}
+
+
+def tiny(family: str):
+    module, extra = FAMILIES[family]
+    mx.random.seed(3)
+    args = module.ModelArgs(model_type=family.split("-")[0], **_SMALL, **extra)
+    model = module.Model(args)
+    mx.eval(model.parameters())
+    cpu_blas.install(model)
+    assert cpu_layers.install(model) == 2
+    return model
+
+
+def logits_of_steps(model, prompt: list[int], fed: list[int], bits: int | None) -> np.ndarray:
+    """Prefill `prompt`, then feed `fed` one token at a time; the logits of each step,
+    the cache quantized after every call as the engine does."""
+    cache = make_prompt_cache(model)
+    quantize = quantizer(scheme_for(bits, 32), 0)
+    model(mx.array(prompt)[None], cache=cache)
+    quantize(cache)
+    every = []
+    for token in fed:
+        every.append(np.array(model(mx.array([[token]]), cache=cache)[0, -1]))
+        quantize(cache)
+    return np.stack(every)
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_step_gives_the_logits_of_mlxs_layers(family, bits, monkeypatch):
+    """Past the 16-bit window of the 8- and 4-bit caches (4 + 128 rows), so the packed
+    bulk is read, and past the sliding window of 16."""
+    model = tiny(family)
+    rng = np.random.default_rng(5)
+    prompt, fed = rng.integers(0, 300, 150).tolist(), rng.integers(0, 300, 12).tolist()
+    got = logits_of_steps(model, prompt, fed, bits)
+    monkeypatch.setattr(cpu_layers, "enabled", False)
+    want = logits_of_steps(model, prompt, fed, bits)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_each_step_runs_in_numpy(monkeypatch):
+    model = tiny("qwen3")
+    layers = []
+    attention = cpu_layers._attention
+    monkeypatch.setattr(cpu_layers, "_attention", lambda *a: layers.append(1) or attention(*a))
+    logits_of_steps(model, list(range(20)), [1, 2, 3], None)
+    assert len(layers) == 3 * 2  # three steps, two layers; the prompt went to mlx
+
+
+def test_other_blocks_and_other_precisions_keep_mlxs_layers():
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", **_SMALL, head_dim=16, query_pre_attn_scalar=16
+    )
+    assert cpu_layers.install(gemma3_text.Model(args)) == 0
+    model = llama.Model(llama.ModelArgs(model_type="llama", **_SMALL))
+    model.set_dtype(mx.float16)
+    assert cpu_layers.install(model) == 0
+    assert type(model.model.layers[0]) is llama.TransformerBlock
+
+
+def test_the_starter_model_replies_the_same_with_each_kv_setting(starter_model, monkeypatch):
+    """What a user sees: the same greedy reply, through the chat engine, with numpy's
+    layers and with mlx's, in 16 bits and with the Memory preference on."""
+    assert type(starter_model.model.model.layers[0]).__name__ == "RowTransformerBlock"
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+    def reply(kv: KVSettings) -> str:
+        session = ChatSession(starter_model)
+        events = session.reply(messages, sampling=SamplingSettings.greedy(24), kv=kv)
+        return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+    settings = [KVSettings(), KVSettings(bits=8), KVSettings(bits=4)]
+    got = [reply(kv) for kv in settings]
+    monkeypatch.setattr(cpu_layers, "enabled", False)
+    want = [reply(kv) for kv in settings]
+    assert got == want
+    assert all(len(text.split()) >= 5 for text in got)
