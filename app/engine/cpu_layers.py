@@ -7,10 +7,10 @@ because each product cuts the graph (`cpu_blas`): an `mx.eval` of one small
 op costs about 20 µs here, `mx.fast.rms_norm` on one row 70 µs and
 `mx.fast.rope` on one row's heads 140 µs, where numpy does either in 1-5 µs.
 
-How: the layers of the families that share llama's block (llama, Mistral,
-Qwen2, Qwen3: `KNOWN_BLOCKS`) get a subclass whose call with one row does the
-norms, products, rotary embedding and MLP in numpy on views of the layer's
-float32 weights, products through `cpu_blas.gemv`. Everything that depends on
+How: the blocks of llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 (`LAYOUTS`)
+get a subclass whose call with one row does the norms, products, rotary
+embedding and MLP in numpy on views of the layer's float32 weights, products
+through `cpu_blas.gemv`. Everything that depends on
 the cache stays as the model does it: `cache.update_and_fetch` with the new
 key and value rows, then the app's attention router (`kvattention`), so the
 16-bit, packed 8/4-bit, sliding-window and prefill paths are the same code.
@@ -34,35 +34,24 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models import gemma3_text, llama, phi3, qwen2, qwen3
 
 from app.engine import cpu_blas, kvattention
 
 enabled = os.environ.get("REPRISE_CPU_LAYERS", "on") != "off"
 
-# Blocks whose __call__ is exactly: x + attention(norm(x)), then + mlp(norm(h)),
-# the attention's queries and keys (Qwen3: after a per-head RMS norm) rotated by
-# `rope` at `cache.offset`, the MLP SwiGLU. Read against mlx-lm 0.32's sources.
-KNOWN_BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock, qwen3.TransformerBlock)
+_LINEAR = (nn.Linear, cpu_blas.RowLinear)
+Projection = tuple[np.ndarray, "np.ndarray | None"]  # weight (outputs, inputs), bias
 
 
 @dataclass
 class _Weights:
-    """One layer's weights as numpy views of mlx's float32 buffers (no copies)."""
+    """One layer's weights as numpy views of mlx's float32 buffers (no copies but the
+    few vectors of Gemma's norms, whose weights are stored less one)."""
 
-    input_norm: np.ndarray
-    post_norm: np.ndarray
-    eps: float
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    o: np.ndarray
-    gate: np.ndarray
-    up: np.ndarray
-    down: np.ndarray
-    biases: dict  # projection name -> bias, where the layer has one
-    q_norm: np.ndarray | None
-    k_norm: np.ndarray | None
+    projections: dict[str, Projection]  # q, k, v, o, gate, up, down
+    norms: dict[str, tuple[np.ndarray, float]]  # weight and epsilon, by place (below)
+    activation: str  # of the MLP's gate: "silu" or "gelu_approx"
     rope_key: bytes
 
 
@@ -70,10 +59,86 @@ def _view(array: mx.array) -> np.ndarray:
     return np.asarray(array)
 
 
-def _linear(module: nn.Module, name: str, biases: dict) -> np.ndarray:
-    if "bias" in module:
-        biases[name] = _view(module["bias"])
-    return _view(module["weight"])
+def _linear(module: nn.Module) -> Projection:
+    return _view(module["weight"]), _view(module["bias"]) if "bias" in module else None
+
+
+def _norm(module: nn.Module, offset: float = 0.0) -> tuple[np.ndarray, float]:
+    weight = _view(module.weight)
+    return (weight + np.float32(offset) if offset else weight), module.eps
+
+
+def _rows(module: nn.Module, *sizes: int) -> list[Projection]:
+    """A fused projection's parts, top to bottom: views of row ranges (contiguous)."""
+    weight, bias = _linear(module)
+    cuts = np.cumsum(sizes)[:-1]
+    parts = np.split(weight, cuts)
+    biases = np.split(bias, cuts) if bias is not None else [None] * len(parts)
+    return list(zip(parts, biases, strict=True))
+
+
+# Each family's block read as: h = x + [post_attention](attention(input(x))), then
+# out = h + [post_mlp](mlp(pre_mlp(h))), the attention's queries and keys (where
+# the layer has them: after the per-head norms `q` and `k`) rotated by `rope` at
+# `cache.offset`; the MLP down(activation(gate(x)) * up(x)). Read against
+# mlx-lm 0.32's sources of each module named here.
+def _llama(block: nn.Module) -> tuple[dict, dict, str]:
+    attention, mlp = block.self_attn, block.mlp
+    names = {"q": attention.q_proj, "k": attention.k_proj, "v": attention.v_proj}
+    names |= {"o": attention.o_proj, "gate": mlp.gate_proj, "up": mlp.up_proj}
+    names["down"] = mlp.down_proj
+    if any(type(m) not in _LINEAR for m in names.values()):
+        return {}, {}, ""
+    norms = {
+        "input": _norm(block.input_layernorm),
+        "pre_mlp": _norm(block.post_attention_layernorm),
+    }
+    if hasattr(attention, "q_norm"):  # Qwen3
+        norms |= {"q": _norm(attention.q_norm), "k": _norm(attention.k_norm)}
+    return {name: _linear(m) for name, m in names.items()}, norms, "silu"
+
+
+def _phi3(block: nn.Module) -> tuple[dict, dict, str]:
+    attention, mlp = block.self_attn, block.mlp
+    if any(type(m) not in _LINEAR for m in (attention.qkv_proj, attention.o_proj)):
+        return {}, {}, ""
+    if any(type(m) not in _LINEAR for m in (mlp.gate_up_proj, mlp.down_proj)):
+        return {}, {}, ""
+    q_size = attention.n_heads * attention.head_dim
+    kv_size = attention.n_kv_heads * attention.head_dim
+    q, k, v = _rows(attention.qkv_proj, q_size, kv_size, kv_size)
+    hidden = mlp.down_proj.weight.shape[1]
+    gate, up = _rows(mlp.gate_up_proj, hidden, hidden)
+    projections = {"q": q, "k": k, "v": v, "o": _linear(attention.o_proj), "gate": gate, "up": up}
+    projections["down"] = _linear(mlp.down_proj)
+    norms = {
+        "input": _norm(block.input_layernorm),
+        "pre_mlp": _norm(block.post_attention_layernorm),
+    }
+    return projections, norms, "silu"
+
+
+def _gemma3(block: nn.Module) -> tuple[dict, dict, str]:
+    projections, _, _ = _llama(block)
+    attention = block.self_attn
+    norms = {  # Gemma's RMS norms multiply by one plus their weight
+        "input": _norm(block.input_layernorm, 1),
+        "post_attention": _norm(block.post_attention_layernorm, 1),
+        "pre_mlp": _norm(block.pre_feedforward_layernorm, 1),
+        "post_mlp": _norm(block.post_feedforward_layernorm, 1),
+        "q": _norm(attention.q_norm, 1),
+        "k": _norm(attention.k_norm, 1),
+    }
+    return projections, norms, "gelu_approx"
+
+
+LAYOUTS = {
+    llama.TransformerBlock: _llama,
+    qwen2.TransformerBlock: _llama,
+    qwen3.TransformerBlock: _llama,
+    phi3.TransformerBlock: _phi3,
+    gemma3_text.TransformerBlock: _gemma3,
+}
 
 
 def _rope_matrix(rope: nn.Module, dims: int, offset: int) -> np.ndarray:
@@ -92,52 +157,37 @@ def _rope_key(rope: nn.Module, dims: int) -> bytes:
 
 
 def _weights(block: nn.Module) -> _Weights | None:
-    """The block's arrays, or None when it is not all float32 (then it keeps mlx)."""
-    attention, mlp = block.self_attn, block.mlp
-    modules = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
-    modules += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if any(type(m) not in (nn.Linear, cpu_blas.RowLinear) for m in modules):
-        return None
+    """The block's arrays, or None where it keeps mlx's layers: not all float32, or
+    laid out otherwise than sgemv reads."""
     arrays = [v for _, v in tree_flatten(block.parameters())]
     if any(a.dtype != mx.float32 for a in arrays):
         return None
     mx.eval(arrays)
-    if not all(np.asarray(a).flags.c_contiguous for a in arrays):  # sgemv reads them as stored
+    projections, norms, activation = LAYOUTS[type(block)](block)
+    if not projections or not all(w.flags.c_contiguous for w, _ in projections.values()):
         return None
-    biases: dict = {}
-    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
-    head_dim = attention.q_proj.weight.shape[0] // attention.n_heads
-    return _Weights(
-        input_norm=_view(block.input_layernorm.weight),
-        post_norm=_view(block.post_attention_layernorm.weight),
-        eps=block.input_layernorm.eps,
-        q=_linear(attention.q_proj, "q", biases),
-        k=_linear(attention.k_proj, "k", biases),
-        v=_linear(attention.v_proj, "v", biases),
-        o=_linear(attention.o_proj, "o", biases),
-        gate=_linear(mlp.gate_proj, "gate", biases),
-        up=_linear(mlp.up_proj, "up", biases),
-        down=_linear(mlp.down_proj, "down", biases),
-        biases=biases,
-        q_norm=None if q_norm is None else _view(q_norm.weight),
-        k_norm=None if k_norm is None else _view(k_norm.weight),
-        rope_key=_rope_key(attention.rope, head_dim),
-    )
+    attention = block.self_attn
+    head_dim = projections["q"][0].shape[0] // attention.n_heads
+    return _Weights(projections, norms, activation, _rope_key(attention.rope, head_dim))
 
 
 class _RopeMatrices:
-    """The rotation matrices of the step under way, one per kind of rope module."""
+    """The rotation matrices of the steps under way, by kind of rope module and
+    position; a few positions are kept (two sessions may decode at once)."""
+
+    KEEP = 16
 
     def __init__(self) -> None:
-        self._offset: int | None = None
-        self._matrices: dict[bytes, np.ndarray] = {}
+        self._matrices: dict[tuple[bytes, int], np.ndarray] = {}
 
     def get(self, rope: nn.Module, key: bytes, dims: int, offset: int) -> np.ndarray:
-        if offset != self._offset:
-            self._offset, self._matrices = offset, {}
-        if key not in self._matrices:
-            self._matrices[key] = _rope_matrix(rope, dims, offset)
-        return self._matrices[key]
+        matrix = self._matrices.get((key, offset))
+        if matrix is None:
+            matrix = _rope_matrix(rope, dims, offset)
+            if len(self._matrices) >= self.KEEP:
+                self._matrices.clear()
+            self._matrices[key, offset] = matrix
+        return matrix
 
 
 _ROPES = _RopeMatrices()
@@ -149,9 +199,14 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * (1 / np.sqrt(mean_square + np.float32(eps))) * weight
 
 
+def _norm_rows(x: np.ndarray, weights: _Weights, place: str) -> np.ndarray:
+    weight, eps = weights.norms[place]
+    return _rms_norm(x, weight, eps)
+
+
 def _product(weights: _Weights, name: str, x: np.ndarray) -> np.ndarray:
-    out = cpu_blas.gemv(getattr(weights, name), x)
-    bias = weights.biases.get(name)
+    weight, bias = weights.projections[name]
+    out = cpu_blas.gemv(weight, x)
     return out if bias is None else np.add(out, bias, out=out)
 
 
@@ -162,10 +217,9 @@ def _attention(block: nn.Module, weights: _Weights, x: np.ndarray, mask, cache) 
     q = _product(weights, "q", x).reshape(heads, -1)
     k = _product(weights, "k", x).reshape(kv_heads, -1)
     v = _product(weights, "v", x).reshape(kv_heads, -1)
-    if weights.q_norm is not None:
-        q, k = _rms_norm(q, weights.q_norm, weights.eps), _rms_norm(k, weights.k_norm, weights.eps)
-    dims = q.shape[-1]
-    rotation = _ROPES.get(attention.rope, weights.rope_key, dims, cache.offset)
+    if "q" in weights.norms:
+        q, k = _norm_rows(q, weights, "q"), _norm_rows(k, weights, "k")
+    rotation = _ROPES.get(attention.rope, weights.rope_key, q.shape[-1], cache.offset)
     q, k = cpu_blas.matmul(q, rotation), cpu_blas.matmul(k, rotation)
     keys, values = cache.update_and_fetch(mx.array(k[None, :, None]), mx.array(v[None, :, None]))
     out = kvattention.scaled_dot_product_attention(
@@ -175,11 +229,20 @@ def _attention(block: nn.Module, weights: _Weights, x: np.ndarray, mask, cache) 
     return _product(weights, "o", np.asarray(out).reshape(-1))
 
 
+def _activated(gate: np.ndarray, activation: str) -> np.ndarray:
+    """silu or mlx's gelu_approx of `gate`, in place."""
+    if activation == "silu":
+        return np.divide(gate, 1 + np.exp(-gate), out=gate)
+    inner = np.tanh(np.float32(np.sqrt(2 / np.pi)) * (gate + np.float32(0.044715) * gate**3))
+    inner += 1
+    gate *= inner
+    gate *= np.float32(0.5)
+    return gate
+
+
 def _mlp(weights: _Weights, x: np.ndarray) -> np.ndarray:
     gate, up = _product(weights, "gate", x), _product(weights, "up", x)
-    silu = np.exp(-gate)
-    silu += 1
-    np.divide(gate, silu, out=gate)
+    gate = _activated(gate, weights.activation)
     gate *= up
     return _product(weights, "down", gate)
 
@@ -190,9 +253,14 @@ def _row_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
         return super(type(self), self).__call__(x, mask, cache)
     mx.eval(x)
     row = np.asarray(x).reshape(-1)
-    normed = _rms_norm(row, weights.input_norm, weights.eps)
-    h = row + _attention(self, weights, normed, mask, cache)
-    h += _mlp(weights, _rms_norm(h, weights.post_norm, weights.eps))
+    r = _attention(self, weights, _norm_rows(row, weights, "input"), mask, cache)
+    if "post_attention" in weights.norms:
+        r = _norm_rows(r, weights, "post_attention")
+    h = row + r
+    r = _mlp(weights, _norm_rows(h, weights, "pre_mlp"))
+    if "post_mlp" in weights.norms:
+        r = _norm_rows(r, weights, "post_mlp")
+    h += r
     return mx.array(h).reshape(x.shape)
 
 
@@ -216,7 +284,7 @@ def install(model: nn.Module) -> int:
     whose one-row call is the numpy step."""
     count = 0
     for _, module in model.named_modules():
-        if type(module) not in KNOWN_BLOCKS:
+        if type(module) not in LAYOUTS:
             continue
         weights = _weights(module)
         if weights is None:
