@@ -95,18 +95,20 @@ def tiny(family: str):
     return model
 
 
-def logits_of_steps(model, prompt: list[int], fed: list[int], bits: int | None) -> np.ndarray:
-    """Prefill `prompt`, then feed `fed` one token at a time; the logits of each step,
-    the cache quantized after every call as the engine does."""
+def logits_of_steps(model, prompt: list[int], fed: list, bits: int | None) -> np.ndarray:
+    """Prefill `prompt` (mlx's layers: more than MAX_ROWS), then feed each of `fed` (a
+    token, or a few in one call, as a short follow-up's prompt); the logits of every
+    fed token, the cache quantized after every call as the engine does."""
+    assert len(prompt) > cpu_layers.MAX_ROWS
     cache = make_prompt_cache(model)
     quantize = quantizer(scheme_for(bits, 32), 0)
     model(mx.array(prompt)[None], cache=cache)
     quantize(cache)
     every = []
-    for token in fed:
-        every.append(np.array(model(mx.array([[token]]), cache=cache)[0, -1]))
+    for tokens in fed:
+        every.append(np.array(model(mx.array(tokens).reshape(1, -1), cache=cache)[0]))
         quantize(cache)
-    return np.stack(every)
+    return np.concatenate(every)
 
 
 @pytest.mark.parametrize("bits", [None, 8, 4])
@@ -117,6 +119,7 @@ def test_each_step_gives_the_logits_of_mlxs_layers(family, bits, monkeypatch):
     model = tiny(family)
     rng = np.random.default_rng(5)
     prompt, fed = rng.integers(0, 300, 150).tolist(), rng.integers(0, 300, 12).tolist()
+    fed = [fed[:7], *fed[7:9], fed[9:11], fed[11]]  # rows of 7, 1, 1, 2 and 1
     got = logits_of_steps(model, prompt, fed, bits)
     monkeypatch.setattr(cpu_layers, "enabled", False)
     want = logits_of_steps(model, prompt, fed, bits)
@@ -130,8 +133,8 @@ def test_each_step_runs_in_numpy(monkeypatch):
     layers = []
     attention = cpu_layers._attention
     monkeypatch.setattr(cpu_layers, "_attention", lambda *a: layers.append(1) or attention(*a))
-    logits_of_steps(model, list(range(20)), [1, 2, 3], None)
-    assert len(layers) == 3 * 2  # three steps, two layers; the prompt went to mlx
+    logits_of_steps(model, list(range(100)), [1, [2, 3, 4], 5], None)
+    assert len(layers) == 3 * 2  # three calls, two layers; the long prompt went to mlx
 
 
 def test_other_blocks_and_other_precisions_keep_mlxs_layers():
@@ -162,3 +165,31 @@ def test_the_starter_model_replies_the_same_with_each_kv_setting(starter_model, 
     want = [reply(kv) for kv in settings]
     assert got == want
     assert all(len(text.split()) >= 5 for text in got)
+
+
+def test_models_whose_ropes_differ_only_past_their_maximum_keep_their_own_rotations(
+    monkeypatch,
+):
+    """A dynamic rope changes its base past the model's maximum position; two models
+    alike but for that maximum, decoding one after the other at the same position
+    (a switch of models), each rotate by their own."""
+
+    def dynamic(maximum: int):
+        mx.random.seed(3)
+        scaling = {"rope_type": "dynamic", "factor": 4.0}
+        args = llama.ModelArgs(
+            model_type="llama", **_SMALL, rope_scaling=scaling, max_position_embeddings=maximum
+        )
+        model = llama.Model(args)
+        mx.eval(model.parameters())
+        cpu_blas.install(model)
+        cpu_layers.install(model)
+        return model
+
+    first, second = dynamic(4200), dynamic(8192)
+    prompt = np.random.default_rng(1).integers(0, 300, 5000).tolist()
+    logits_of_steps(first, prompt, [7], None)
+    got = logits_of_steps(second, prompt, [7], None)
+    monkeypatch.setattr(cpu_layers, "enabled", False)
+    want = logits_of_steps(second, prompt, [7], None)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

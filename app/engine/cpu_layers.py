@@ -8,20 +8,23 @@ op costs about 20 µs here, `mx.fast.rms_norm` on one row 70 µs and
 `mx.fast.rope` on one row's heads 140 µs, where numpy does either in 1-5 µs.
 
 How: the blocks of llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3 (`LAYOUTS`)
-get a subclass whose call with one row does the norms, products, rotary
-embedding and MLP in numpy on views of the layer's float32 weights, products
-through `cpu_blas.gemv`. Everything that depends on
-the cache stays as the model does it: `cache.update_and_fetch` with the new
-key and value rows, then the app's attention router (`kvattention`), so the
-16-bit, packed 8/4-bit, sliding-window and prefill paths are the same code.
-Any other call (prefill, a GPU, other dtypes) is the block's own `__call__`.
+get a subclass whose call with up to `MAX_ROWS` rows (a decode step, a short
+follow-up's prompt) does the norms, products, rotary embedding and MLP in numpy
+on read-only views of the layer's float32 weights, products through `cpu_blas`
+(sgemv for one row). Everything that depends on the cache stays as the model
+does it: `cache.update_and_fetch` with the new key and value rows, then the
+app's attention router (`kvattention`), so the 16-bit, packed 8/4-bit and
+sliding-window caches share one path. Any other call (a long prefill, a GPU,
+other dtypes) is the block's own `__call__`. The weights are read once, at
+install: the app never changes a loaded model's weights.
 
 The rotary embedding is whatever the layer's `rope` module computes: rotations
 are linear, so the module applied once to the identity at the step's position
 gives the matrix every layer with the same module settings multiplies by (one
 mlx call per step, not per layer).
 
-`REPRISE_CPU_LAYERS=off` keeps mlx's layers (benches and tests compare the two).
+`REPRISE_CPU_LAYERS=off` keeps mlx's layers (benches and tests compare the two);
+so does `REPRISE_CPU_GEMV=off`, which keeps mlx's matmul for every product.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ from mlx_lm.models import gemma3_text, llama, phi3, qwen2, qwen3
 from app.engine import cpu_blas, kvattention
 
 enabled = os.environ.get("REPRISE_CPU_LAYERS", "on") != "off"
+# Calls of up to this many rows: decode steps, and a short follow-up's prompt
+# (`steps.SHORT_PROMPT`). A longer prefill is mostly its products, where mlx's
+# per-operation cost is small beside them.
+MAX_ROWS = 64
 
 _LINEAR = (nn.Linear, cpu_blas.RowLinear)
 Projection = tuple[np.ndarray, "np.ndarray | None"]  # weight (outputs, inputs), bias
@@ -56,7 +63,11 @@ class _Weights:
 
 
 def _view(array: mx.array) -> np.ndarray:
-    return np.asarray(array)
+    """A read-only numpy view of an evaluated mlx array's buffer (nothing here may
+    write into the model)."""
+    view = np.asarray(array)
+    view.flags.writeable = False
+    return view
 
 
 def _linear(module: nn.Module) -> Projection:
@@ -65,7 +76,10 @@ def _linear(module: nn.Module) -> Projection:
 
 def _norm(module: nn.Module, offset: float = 0.0) -> tuple[np.ndarray, float]:
     weight = _view(module.weight)
-    return (weight + np.float32(offset) if offset else weight), module.eps
+    if offset:
+        weight = weight + np.float32(offset)
+        weight.flags.writeable = False
+    return weight, module.eps
 
 
 def _rows(module: nn.Module, *sizes: int) -> list[Projection]:
@@ -141,18 +155,27 @@ LAYOUTS = {
 }
 
 
-def _rope_matrix(rope: nn.Module, dims: int, offset: int) -> np.ndarray:
-    """M such that the rotated row is `row @ M` at `offset`: each basis vector as a
-    head of its own, rotated by the module itself."""
-    identity = mx.eye(dims, dtype=mx.float32).reshape(1, dims, 1, dims)
-    return np.array(rope(identity, offset=offset).reshape(dims, dims))
+def _rope_matrices(rope: nn.Module, dims: int, offset: int, rows: int = 1) -> np.ndarray:
+    """M (rows, dims, dims) such that a row at position offset + r is rotated as
+    `row @ M[r]`: each basis vector as a head of its own, at every position, rotated
+    by the module itself."""
+    identity = mx.broadcast_to(mx.eye(dims, dtype=mx.float32)[None, :, None], (1, dims, rows, dims))
+    return np.array(rope(identity, offset=offset)[0].swapaxes(0, 1))
 
 
 def _rope_key(rope: nn.Module, dims: int) -> bytes:
-    """Equal for modules that rotate alike: their matrices at a few positions."""
-    digest = hashlib.sha1()
+    """Equal for modules that rotate alike: of one class, with the same settings
+    and arrays (a dynamic rope's differ only past its maximum position), and the
+    same matrices at a few positions."""
+    digest = hashlib.sha1(type(rope).__qualname__.encode())
+    for name, value in sorted(vars(rope).items()):
+        if isinstance(value, (bool, int, float, str, type(None))):
+            digest.update(f"{name}={value!r};".encode())
+    for name, value in sorted(rope.items()):
+        if isinstance(value, mx.array):
+            digest.update(name.encode() + np.array(value).tobytes())
     for offset in (1, 37, 4099):
-        digest.update(_rope_matrix(rope, dims, offset).tobytes())
+        digest.update(_rope_matrices(rope, dims, offset).tobytes())
     return digest.digest()
 
 
@@ -172,22 +195,22 @@ def _weights(block: nn.Module) -> _Weights | None:
 
 
 class _RopeMatrices:
-    """The rotation matrices of the steps under way, by kind of rope module and
-    position; a few positions are kept (two sessions may decode at once)."""
+    """The rotation matrices of the calls under way, by kind of rope module and
+    positions; a few are kept (two sessions may decode at once)."""
 
     KEEP = 16
 
     def __init__(self) -> None:
-        self._matrices: dict[tuple[bytes, int], np.ndarray] = {}
+        self._matrices: dict[tuple[bytes, int, int], np.ndarray] = {}
 
-    def get(self, rope: nn.Module, key: bytes, dims: int, offset: int) -> np.ndarray:
-        matrix = self._matrices.get((key, offset))
-        if matrix is None:
-            matrix = _rope_matrix(rope, dims, offset)
+    def get(self, rope: nn.Module, key: bytes, dims: int, offset: int, rows: int) -> np.ndarray:
+        matrices = self._matrices.get((key, offset, rows))
+        if matrices is None:
+            matrices = _rope_matrices(rope, dims, offset, rows)
             if len(self._matrices) >= self.KEEP:
                 self._matrices.clear()
-            self._matrices[key, offset] = matrix
-        return matrix
+            self._matrices[key, offset, rows] = matrices
+        return matrices
 
 
 _ROPES = _RopeMatrices()
@@ -205,34 +228,50 @@ def _norm_rows(x: np.ndarray, weights: _Weights, place: str) -> np.ndarray:
 
 
 def _product(weights: _Weights, name: str, x: np.ndarray) -> np.ndarray:
+    """Rows `x` (rows, inputs) through a projection: sgemv for one, else `cpu_blas`."""
     weight, bias = weights.projections[name]
-    out = cpu_blas.gemv(weight, x)
+    out = cpu_blas.gemv(weight, x[0])[None] if len(x) == 1 else cpu_blas.matmul(x, weight.T)
     return out if bias is None else np.add(out, bias, out=out)
 
 
 def _attention(block: nn.Module, weights: _Weights, x: np.ndarray, mask, cache) -> np.ndarray:
-    """The attention half for one row `x` (already normed): its output projection."""
+    """The attention half for rows `x` (already normed, one per position from
+    `cache.offset` on): its output projection's rows."""
     attention = block.self_attn
-    heads, kv_heads = attention.n_heads, attention.n_kv_heads
-    q = _product(weights, "q", x).reshape(heads, -1)
-    k = _product(weights, "k", x).reshape(kv_heads, -1)
-    v = _product(weights, "v", x).reshape(kv_heads, -1)
+    rows = len(x)
+    q = _product(weights, "q", x).reshape(rows, attention.n_heads, -1)
+    k = _product(weights, "k", x).reshape(rows, attention.n_kv_heads, -1)
+    v = _product(weights, "v", x).reshape(rows, attention.n_kv_heads, -1)
     if "q" in weights.norms:
         q, k = _norm_rows(q, weights, "q"), _norm_rows(k, weights, "k")
-    rotation = _ROPES.get(attention.rope, weights.rope_key, q.shape[-1], cache.offset)
-    q, k = cpu_blas.matmul(q, rotation), cpu_blas.matmul(k, rotation)
-    keys, values = cache.update_and_fetch(mx.array(k[None, :, None]), mx.array(v[None, :, None]))
+    dims = q.shape[-1]
+    rotations = _ROPES.get(attention.rope, weights.rope_key, dims, cache.offset, rows)
+    q, k = _rotated(q, rotations), _rotated(k, rotations)
+    keys, values = cache.update_and_fetch(_heads_first(k), _heads_first(v))
     out = kvattention.scaled_dot_product_attention(
-        mx.array(q[None, :, None]), keys, values, cache=cache, scale=attention.scale, mask=mask
+        _heads_first(q), keys, values, cache=cache, scale=attention.scale, mask=mask
     )
     mx.eval(out)
-    return _product(weights, "o", np.asarray(out).reshape(-1))
+    return _product(weights, "o", np.asarray(out)[0].swapaxes(0, 1).reshape(rows, -1))
+
+
+def _rotated(x: np.ndarray, rotations: np.ndarray) -> np.ndarray:
+    """Each row's heads (rows, heads, dims) times its position's rotation."""
+    if len(x) == 1:
+        return cpu_blas.matmul(x[0], rotations[0])[None]
+    return np.matmul(x, rotations)
+
+
+def _heads_first(x: np.ndarray) -> mx.array:
+    """(rows, heads, dims) as mlx-lm's (1, heads, rows, dims)."""
+    return mx.array(x.swapaxes(0, 1)[None])
 
 
 def _activated(gate: np.ndarray, activation: str) -> np.ndarray:
     """silu or mlx's gelu_approx of `gate`, in place."""
     if activation == "silu":
-        return np.divide(gate, 1 + np.exp(-gate), out=gate)
+        with np.errstate(over="ignore"):  # exp(-gate) is inf below -88: gate / inf = -0
+            return np.divide(gate, 1 + np.exp(-gate), out=gate)
     inner = np.tanh(np.float32(np.sqrt(2 / np.pi)) * (gate + np.float32(0.044715) * gate**3))
     inner += 1
     gate *= inner
@@ -249,23 +288,23 @@ def _mlp(weights: _Weights, x: np.ndarray) -> np.ndarray:
 
 def _row_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     weights = self.__dict__.get("_row_weights")
-    if not (enabled and weights and cache is not None and _one_row(x)):
+    if not (enabled and cpu_blas.enabled and weights and cache is not None and _few_rows(x)):
         return super(type(self), self).__call__(x, mask, cache)
     mx.eval(x)
-    row = np.asarray(x).reshape(-1)
-    r = _attention(self, weights, _norm_rows(row, weights, "input"), mask, cache)
+    rows = np.asarray(x)[0]
+    r = _attention(self, weights, _norm_rows(rows, weights, "input"), mask, cache)
     if "post_attention" in weights.norms:
         r = _norm_rows(r, weights, "post_attention")
-    h = row + r
+    h = rows + r
     r = _mlp(weights, _norm_rows(h, weights, "pre_mlp"))
     if "post_mlp" in weights.norms:
         r = _norm_rows(r, weights, "post_mlp")
     h += r
-    return mx.array(h).reshape(x.shape)
+    return mx.array(h[None])
 
 
-def _one_row(x: mx.array) -> bool:
-    return x.size == x.shape[-1] and x.dtype == mx.float32
+def _few_rows(x: mx.array) -> bool:
+    return x.ndim == 3 and x.shape[0] == 1 and x.shape[1] <= MAX_ROWS and x.dtype == mx.float32
 
 
 _SUBCLASSES: dict[type, type] = {}
