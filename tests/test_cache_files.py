@@ -389,6 +389,23 @@ def test_a_changed_kv_preference_converts_or_recomputes(tiny_model, saved_conver
     assert finished.stats.kv_format.startswith("8-bit (group 32")
 
 
+def test_an_open_chat_whose_kv_setting_changed_says_it_reads_again(tiny_model):
+    """Found on a new-user walk: after switching the Memory preference from 8-bit back
+    to full precision, the next message in the open chat said "Continuing: N tokens
+    already in memory" while it read the whole conversation again."""
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    eight = TurnOptions(sampling=OPTIONS.sampling, kv=KVSettings(bits=8, group_size=32))
+    turn(engine, conversation.id, "hello there", eight)
+    finished, _ = turn(engine, conversation.id, "tell me more", eight)
+    assert finished.restore.source == "memory"
+    finished, _ = turn(engine, conversation.id, "and in full precision", OPTIONS)
+    assert finished.restore.source == "recompute"
+    assert "cannot use" in finished.restore.rejected
+    assert finished.stats.reused_tokens == 0
+    assert finished.stats.kv_format in ("float32", "float16", "bfloat16", "16-bit")
+
+
 @pytest.mark.parametrize("bits", KV_CHOICES)
 def test_export_writes_what_mlx_lm_loads_for_every_kv_preference(tiny_model, bits, tmp_path):
     """`reprise cache export`: mlx-lm's own loader reads the file, its classes are

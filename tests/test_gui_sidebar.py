@@ -141,3 +141,23 @@ def test_search_results_open_from_the_keyboard(qtbot, open_window):  # noqa: F81
     )
     qtbot.keyClick(window.sidebar.list, Qt.Key.Key_Return)
     qtbot.waitUntil(lambda: window.conversation_id not in (None, first), timeout=10_000)
+
+
+def test_a_chat_clicked_in_the_list_is_ready_to_type_into(qtbot, open_window):  # noqa: F811
+    """Found on a new-user walk: after a click on a chat the keyboard stayed in the list,
+    so typing did nothing until the message box was clicked too."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QApplication
+
+    window = open_window()
+    send(qtbot, window, "Tell me about penguins.", greedy_tokens=4)
+    first = window.conversation_id
+    window.new_chat()
+    window.sidebar.list.setFocus()
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 1, timeout=10_000)
+    item = window.sidebar.list.item(0)
+    assert item.data(Qt.ItemDataRole.UserRole) == first
+    where = window.sidebar.list.visualItemRect(item).center()
+    qtbot.mouseClick(window.sidebar.list.viewport(), Qt.MouseButton.LeftButton, pos=where)
+    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
+    assert QApplication.focusWidget() is window.composer.edit

@@ -113,24 +113,27 @@ class ChatSession:
     def kv_bytes(self) -> int:
         return sum(c.nbytes for c in self.cache) if self.cache else 0
 
-    def _cache_usable(self, kv: KVSettings) -> bool:
-        """Whether the cache can go on under `kv`; a quantized cache is never used
-        for another scheme (or for full precision), a full-precision one always."""
+    def cache_usable(self, kv: KVSettings) -> bool:
+        """Whether the cache in memory can go on under `kv`; a quantized cache is never
+        used for another scheme (or for full precision), a full-precision one always."""
         if self.cache is None:
             return False
         wanted = scheme_for(kv.bits, kv.group_size)
-        for layer in self.cache:
-            if isinstance(layer, MixedKVCache):
-                if wanted is None or layer.scheme.format != wanted.format:
-                    return False
-                layer.set_window(wanted.window)
-        return True
+        return all(
+            wanted is not None and layer.scheme.format == wanted.format
+            for layer in self.cache
+            if isinstance(layer, MixedKVCache)
+        )
 
     def _reuse_prefix(self, prompt: list[int], kv: KVSettings) -> int:
         """Trim the cache to what `prompt` shares with it; return the kept token count."""
-        if not self._cache_usable(kv):
+        if not self.cache_usable(kv):
             self.cache = make_prompt_cache(self.loaded.model)
             self.tokens = []
+        wanted = scheme_for(kv.bits, kv.group_size)
+        for layer in self.cache:
+            if isinstance(layer, MixedKVCache):
+                layer.set_window(wanted.window)
         keep = reusable_prefix(self.tokens, prompt)
         excess = len(self.tokens) - keep
         if excess > 0 and trim_prompt_cache(self.cache, excess) != excess:

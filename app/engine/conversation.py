@@ -304,15 +304,19 @@ class ConversationEngine:
         prompt: list[int],
         kv: KVSettings,
     ) -> RestoreInfo:
-        """Leave in `session` the best cache for this turn, and say where it came from."""
+        """Leave in `session` the best cache for this turn, and say where it came from.
+        A cache in memory of another KV setting's format is not used (nor, below, one
+        saved so): the turn reads the conversation again, and says so."""
         if self._holds(conversation_id):
             held = self.session.tokens
             usable = reusable_prefix(held, prompt)
-            if usable == len(held) or can_trim(self.session.cache):
+            cut = usable == len(held) or can_trim(self.session.cache)
+            if cut and self.session.cache_usable(kv):
                 # What this turn keeps: a regenerate or an edit cuts the cache back.
                 return RestoreInfo(source="memory", tokens=usable)
             # An edit or a regenerate before the end of a cache that cannot be cut
-            # back: resume from the checkpoint on disk before the change.
+            # back (resume from the checkpoint on disk before the change), or a cache
+            # of another KV setting's format.
             entry = self.index.conversation(conversation_id)
         refused = self._drop_and_check(conversation_id, entry, kv)
         if refused is not None:

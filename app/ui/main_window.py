@@ -190,6 +190,7 @@ class MainWindow(QMainWindow):
         self.header.keep_requested.connect(self.keep_chat_model)
         self.sidebar.new_requested.connect(self.new_chat)
         self.sidebar.conversation_selected.connect(self.show_conversation)
+        self.sidebar.clicked.connect(self.composer.edit.setFocus)  # ready to type, as a new chat
         self.sidebar.match_opened.connect(self.show_match)
         self.sidebar.search_changed.connect(self.refresh_sidebar)
         self.sidebar.rename_requested.connect(self.rename)

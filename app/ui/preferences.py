@@ -238,8 +238,8 @@ class PreferencesDialog(QDialog):
         now = (self.kv_bits.currentData(), self.kv_group_size.currentData())
         changed = now != self._initial_kv and self._initial_kv[0] is not None
         self.kv_warning.setText(
-            "Caches saved in the current quantized format cannot be used with this setting; "
-            "those conversations recompute once when reopened."
+            "Caches in the current quantized format cannot be used with this setting: "
+            "those conversations are read again from the start at their next message, once."
             if changed
             else ""
         )

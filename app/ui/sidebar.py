@@ -143,6 +143,7 @@ def describe_cache(info: dict | None) -> str:
 
 class Sidebar(QWidget):
     conversation_selected = Signal(int)
+    clicked = Signal()  # a chat chosen with the mouse (the keyboard stays in the list)
     match_opened = Signal(int, int)  # a search result on a hidden branch: chat, message
     new_requested = Signal()
     search_changed = Signal(str)
@@ -175,6 +176,7 @@ class Sidebar(QWidget):
         # (to show the focus there) and must not open that chat.
         self.list.itemSelectionChanged.connect(self._selected)
         self.list.itemActivated.connect(self._activated)  # Enter on the current row
+        self.list.itemClicked.connect(self.clicked)
         self.search.returnPressed.connect(self._to_results)
         self.list.customContextMenuRequested.connect(self._menu)
 
