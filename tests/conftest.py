@@ -40,6 +40,20 @@ def app_dirs(tmp_path, monkeypatch) -> dict[str, Path]:
     return dirs
 
 
+@pytest.fixture(params=["mlx reads", "read ahead"])
+def reading(request, monkeypatch):
+    """Both ways a restore reads cache files: mlx's loader into its memory (the CPU, Apple
+    silicon), and, as where the GPU has memory of its own, our reader into host memory
+    (chunks by threads reading ahead), each file then copied to the device (here that
+    copy is mlx's CPU load)."""
+    if request.param == "read ahead":
+        from app.engine import kvstore, stored_arrays
+
+        for module in (kvstore, stored_arrays):
+            monkeypatch.setattr(module, "device_apart", lambda: True)
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from app.engine.gguf_import import import_gguf

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import load_prompt_cache
 from safetensors.numpy import save_file
 from test_cli import REPRISE
 
+from app.engine import kvstore
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
@@ -64,7 +65,7 @@ def chunk_rows(conversation_id) -> list[dict]:
 
 
 def test_reopening_restores_from_disk_and_matches_a_fresh_computation(
-    tiny_model, saved_conversation
+    tiny_model, saved_conversation, reading
 ):
     engine = new_engine(tiny_model)
     saved_tokens = engine.index.conversation(saved_conversation).tokens
@@ -234,7 +235,7 @@ def corrupt(conversation_id, how):
     ],
 )
 def test_a_bad_cache_is_not_used_and_the_turn_recomputes(
-    tiny_model, saved_conversation, how, reason
+    tiny_model, saved_conversation, how, reason, reading
 ):
     corrupt(saved_conversation, how)
     engine = new_engine(tiny_model)
@@ -245,6 +246,55 @@ def test_a_bad_cache_is_not_used_and_the_turn_recomputes(
     assert finished.text == fresh_reply(tiny_model, engine, saved_conversation)
     # Nothing was lost: every message is still there.
     assert len(engine.store.get(saved_conversation).messages) == 8
+
+
+def test_the_first_bad_chunk_in_order_gives_the_reason(tiny_model, saved_conversation, reading):
+    """Files read ahead fail at their turn: a damaged second chunk is the reason even
+    when the third is missing, and nothing of the cache is used."""
+    index = CacheIndex(open_db())
+    keys = index.conversation(saved_conversation).chunk_keys
+    assert len(keys) >= 3
+    second, third = (path_from_url(index.chunk(key)["url"]) for key in keys[1:3])
+    data = bytearray(second.read_bytes())
+    data[-5] ^= 0xFF
+    second.write_bytes(bytes(data))
+    third.unlink()
+    engine = new_engine(tiny_model)
+    finished, _ = turn(engine, saved_conversation, "are you still there")
+    assert finished.restore.source == "recompute"
+    assert "checksum mismatch" in finished.restore.rejected
+
+
+def test_read_ahead_keeps_the_order_and_stops_at_a_failure():
+    started = []
+
+    def read(i):
+        started.append(i)
+        if i == 3:
+            raise ValueError("three")
+        return i * 10
+
+    results = kvstore._read_ahead(read, [(i,) for i in range(50)], 4)
+    assert [next(results) for _ in range(3)] == [0, 10, 20]
+    with pytest.raises(ValueError, match="three"):
+        next(results)
+    assert max(started) < 3 + 4 + 1  # none started beyond the window
+
+
+def test_to_device_gives_back_each_array_as_it_was():
+    from app.engine.stored_arrays import to_device
+
+    arrays = {
+        "0.k.0": np.arange(24, dtype=np.uint16).reshape(1, 2, 3, 4),
+        "0.k.1": np.linspace(0, 1, 6, dtype=np.float32).reshape(1, 2, 3, 1),
+        "1.v.0": np.arange(5, dtype=np.uint32),
+    }
+    loaded = to_device(arrays)
+    assert set(loaded) == set(arrays)
+    for name, array in arrays.items():
+        assert loaded[name].shape == array.shape
+        assert np.array_equal(np.array(loaded[name]), array)
+    assert to_device({}) == {}
 
 
 def test_a_changed_history_reuses_only_what_still_matches(tiny_model, saved_conversation):
@@ -340,7 +390,7 @@ def test_quantized_caches_save_and_restore(tiny_model):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_every_quantized_scheme_comes_back_as_it_was_saved(tiny_model, bits):
+def test_every_quantized_scheme_comes_back_as_it_was_saved(tiny_model, bits, reading):
     """The app's 4-bit (rotated keys) and 8-bit: chunks hold every token quantized,
     the float16 sink as well."""
     options = TurnOptions(

@@ -84,7 +84,7 @@ def test_a_turn_writes_its_new_tokens_and_a_checkpoint_of_the_windows(words_mode
         assert new * per_token <= chunks <= 1.3 * new * per_token + FILE_OVERHEAD * (files - 1)
 
 
-def test_a_reopened_conversation_replies_as_the_never_closed_one(words_model):
+def test_a_reopened_conversation_replies_as_the_never_closed_one(words_model, reading):
     never_closed, kept = started(words_model, 4)
     expected, _ = turn(never_closed, kept, "so what now")
 
@@ -150,7 +150,7 @@ def _with_layer_1(tensors: dict, _metadata: dict) -> None:
 
 
 @pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
-def test_a_lost_or_damaged_part_is_refused_and_the_turn_recomputes(words_model, damage):
+def test_a_lost_or_damaged_part_is_refused_and_the_turn_recomputes(words_model, damage, reading):
     never_closed, kept = started(words_model, 2)
     expected, _ = turn(never_closed, kept, "so what now")
     _, conversation_id = started(words_model, 2)

@@ -28,8 +28,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from app.engine import snapshots
 from app.engine.cache_keys import SNAPSHOT, cache_parts, checkpoint_key, kv_format, tokens_hash
 from app.engine.codecs import ChunkManifest, chunk_classes, stored_dtype, stored_format
-from app.engine.stored_arrays import load_mlx
-from sessions.cachefiles import CacheRejected, ConversationCache, path_from_url, read_file
+from app.engine.stored_arrays import read_checked
+from sessions.cachefiles import CacheRejected, ConversationCache, path_from_url
 
 if TYPE_CHECKING:
     from app.engine.kvstore import KVStore
@@ -130,8 +130,8 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
     manifest = ChunkManifest(
         store.fingerprint, SNAPSHOT, key, 0, end, tokens_hash(entry.tokens[:end]), len(template)
     )
-    tensors, metadata = read_file(
-        path_from_url(row["url"], store.index.root), manifest.expected(), load=load_mlx
+    tensors, metadata = read_checked(
+        path_from_url(row["url"], store.index.root), manifest.expected()
     )
     cache, in_chunks = snapshots.restore_checkpoint(template, tensors, metadata.get("layout", ""))
     size = row["bytes"]

@@ -13,13 +13,18 @@ chunks and the rest in a checkpoint per turn (`app.engine.checkpoints`).
 
 Restoring reads the chunks a prompt can use, has each checked by its layers'
 codecs (app.engine.codecs), joins them once (app.engine.chunkjoin) and trims to
-the usable prefix.
+the usable prefix. Where the GPU has memory of its own, threads read and check
+the next files while the last one is copied to the device (`_read_files`).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +50,7 @@ from app.engine.codecs import (
 from app.engine.kvquant import tail_rows_at
 from app.engine.kvscheme import parse_format
 from app.engine.loading import LoadedModel
-from app.engine.stored_arrays import load_mlx
+from app.engine.stored_arrays import device_apart, load_mlx, to_device
 from sessions.cachefiles import (
     CacheIndex,
     CacheRejected,
@@ -58,6 +63,10 @@ from sessions.cachefiles import (
 )
 
 _MAX_WEIGHTS_HEADER = 64 * 1024 * 1024
+# Chunk files read at once ahead of the one being copied to the GPU: a few reads in
+# flight keep a fast disk busy; each holds one chunk in host memory (~30 MB at 256
+# tokens of an 8B model).
+_READ_AHEAD = 4
 
 
 @dataclass(frozen=True)
@@ -301,21 +310,59 @@ class KVStore:
         count, bytes read). Each chunk is checked by its layers' codecs."""
         chunks = [chunk for chunk in self._saved_rows(entry) if chunk[1] < usable]
         paths = [path_from_url(row["url"], self.index.root) for *_, row in chunks]
-        read_ahead(paths)  # the disk reads on while chunks are checked
-        join = ChunkJoin(self._shapes, entry.kv_format)
-        total, size = 0, 0
-        for (key, start, end, row), path in zip(chunks, paths, strict=True):
+        expected = []
+        for key, start, end, _ in chunks:
             part = tokens_hash(entry.tokens[start:end])
             manifest = ChunkManifest(
                 self.fingerprint, entry.kv_format, key, start, end, part, len(self._shapes)
             )
-            tensors, metadata = read_file(path, manifest.expected(), load=load_mlx)
-            join.add(tensors, read_classes(metadata, len(self._shapes)), (start, end))
-            total, size = end, size + row["bytes"]
+            expected.append(manifest.expected())
+        join = ChunkJoin(self._shapes, entry.kv_format)
+        total, size = 0, 0
+        with closing(self._read_files(paths, expected)) as read:
+            for (_, start, end, row), (tensors, metadata) in zip(chunks, read, strict=True):
+                join.add(tensors, read_classes(metadata, len(self._shapes)), (start, end))
+                total, size = end, size + row["bytes"]
         if not total:
             raise CacheRejected("cache files were evicted")
         self.index.touch([key for key, *_ in chunks])
         return join.build(total - min(usable, total)), min(usable, total), size
+
+    def _read_files(self, paths: list, expected: list[dict]) -> Iterator[tuple[dict, dict]]:
+        """Each chunk file's (tensors, metadata), checked, in order. Where the GPU has
+        memory of its own, threads read and check the next files in host memory while
+        the last one is copied to the device (`to_device`), so that reading the disk,
+        checksums and copies overlap; elsewhere mlx reads each file into its memory
+        while the disk reads on ahead (`read_ahead`)."""
+        if not device_apart():
+            read_ahead(paths)
+            for path, wanted in zip(paths, expected, strict=True):
+                yield read_file(path, wanted, load=load_mlx)
+            return
+        calls = list(zip(paths, expected, strict=True))
+        for tensors, metadata in _read_ahead(read_file, calls, _READ_AHEAD):
+            yield to_device(tensors), metadata
+
+
+def _read_ahead(read: Callable, calls: list[tuple], ahead: int) -> Iterator:
+    """`read(*args)` for each of `calls`, in order, run by `ahead` threads at most that
+    many calls ahead of the one yielded. A failure is raised when its turn comes; the
+    calls not started by then never are (those under way finish first)."""
+    with ThreadPoolExecutor(ahead) as pool:
+        todo = iter(calls)
+        pending = deque(pool.submit(read, *args) for args in _take(todo, ahead))
+        try:
+            while pending:
+                done = pending.popleft()
+                pending.extend(pool.submit(read, *args) for args in _take(todo, 1))
+                yield done.result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def _take(items: Iterator, n: int) -> list:
+    return [item for _, item in zip(range(n), items, strict=False)]
 
 
 def _holds_window(fmt: str, end: int) -> bool:

@@ -3,16 +3,26 @@
 numpy (which safetensors writes from) has no bfloat16, so bfloat16 arrays are
 stored as their raw 16 bits (uint16) and viewed back on reading. Only the
 dtypes a KV cache can hold are accepted from a file.
+
+Where the GPU has memory of its own (mlx's CUDA build), a file is read and
+checked in host memory and then copied to the device once (`to_device`): an
+array loaded straight to the GPU and then read from the host, as the checksum
+does, would be copied back into managed memory, which the GPU pulls in again
+page by page.
 """
 
 from __future__ import annotations
 
+import bisect
+import io
+import itertools
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from sessions.cachefiles import CacheRejected
+from sessions.cachefiles import CacheRejected, read_file
+from sessions.safetensors_header import TensorSpec, as_bytes, encode_header, layout
 
 _STORED_DTYPES = (mx.float32, mx.float16, mx.uint32, mx.uint16)
 
@@ -37,3 +47,84 @@ def load_mlx(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
     tensors, metadata = mx.load(str(path), return_metadata=True)
     mx.eval(list(tensors.values()))
     return tensors, metadata
+
+
+def read_checked(path: Path, expect: dict[str, str]) -> tuple[dict[str, mx.array], dict]:
+    """A cache file's arrays in mlx memory and its metadata, checked by `read_file`."""
+    if device_apart():
+        tensors, metadata = read_file(path, expect)
+        return to_device(tensors), metadata
+    return read_file(path, expect, load=load_mlx)
+
+
+def device_apart() -> bool:
+    """Whether mlx computes in memory apart from the host's (its CUDA build, on the GPU)."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def to_device(arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:
+    """Checked host arrays in device memory, in one copy: mlx's own file loader reads
+    them, as one run of bytes, from memory as if from a file, straight into device
+    memory (`mx.array` would put each in managed memory, for the GPU to fault in page
+    by page); each array is then a view of its bytes there."""
+    if not arrays:
+        return {}
+    specs = layout(arrays)
+    data = mx.load(_AsFile([as_bytes(arrays[spec.name]) for spec in specs]), format="safetensors")
+    joined = data["bytes"]
+    return {
+        spec.name: joined[spec.begin : spec.end].view(_MLX_TYPES[spec.dtype]).reshape(spec.shape)
+        for spec in specs
+    }
+
+
+_MLX_TYPES = {
+    "F32": mx.float32,
+    "F16": mx.float16,
+    "U32": mx.uint32,
+    "U16": mx.uint16,
+    "U8": mx.uint8,
+    "I32": mx.int32,
+}
+
+
+class _AsFile(io.RawIOBase):
+    """A safetensors file of one uint8 tensor, "bytes", that is `parts` one after
+    another, read in place: nothing is joined or copied until `readinto` copies it
+    into the reader's buffer."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        super().__init__()
+        total = sum(part.nbytes for part in parts)
+        spec = TensorSpec("bytes", "U8", (total,), 0, total)
+        header = np.frombuffer(encode_header([spec], {}), dtype=np.uint8)
+        self._parts = [header, *parts]
+        self._starts = list(itertools.accumulate((p.nbytes for p in self._parts[:-1]), initial=0))
+        self._size = header.nbytes + total
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer) -> int:
+        out = np.frombuffer(buffer, dtype=np.uint8)
+        filled = 0
+        while filled < out.nbytes and self._position < self._size:
+            i = bisect.bisect_right(self._starts, self._position) - 1
+            at = self._position - self._starts[i]
+            piece = self._parts[i][at : at + out.nbytes - filled]
+            out[filled : filled + piece.nbytes] = piece
+            filled += piece.nbytes
+            self._position += piece.nbytes
+        return filled
