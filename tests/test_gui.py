@@ -331,6 +331,22 @@ def test_a_slow_start_shows_a_busy_bar_until_text_arrives(qtbot, open_window):
     window.on_busy(False)
 
 
+def test_a_long_prompts_bar_shows_its_whole_text(qtbot, open_window):
+    """Found on a new-user walk: the status bar gave the bar its size hint, and
+    "Reading 1,536/2,114 tokens" showed as "Reading 1,536/2,1"."""
+    window = open_window()
+    window.on_busy(True)
+    window.turns.start()
+    qtbot.wait(600)  # the bar shows for a start slower than half a second
+    window.status.on_prompt_progress(1_536, 22_114)
+    progress = window.status.progress
+    qtbot.waitUntil(lambda: progress.isVisible(), timeout=5_000)
+    shown = progress.text()
+    assert shown == "Reading 1,536/22,114 tokens"
+    assert progress.width() > progress.fontMetrics().horizontalAdvance(shown)
+    window.on_busy(False)
+
+
 HANDLERS = {  # every handler of a worker signal, by the class that has it
     MainWindow: {
         "on_model_loaded",

@@ -31,6 +31,10 @@ def took(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 0.1 else f"{seconds:.2f} s"
 
 
+def progress_text(done: int, total: int) -> str:
+    return f"Reading {done:,}/{total:,} tokens"
+
+
 def restore_text(source: str, tokens: int, seconds: float) -> str:
     if source == "disk":
         return f"Resumed from saved cache: {tokens:,} tokens in {took(seconds)}"
@@ -60,7 +64,10 @@ class TurnStatus(QObject):
         self.message = QLabel("")
         self.stats = QLabel("")
         self.progress = QProgressBar()
-        self.progress.setMaximumWidth(200)
+        # Wide enough for its longest text: in a status bar it is given its size hint,
+        # which cut "Reading 1,536/2,114 tokens" to "Reading 1,536/2,1" (a new-user walk).
+        widest = self.progress.fontMetrics().horizontalAdvance(progress_text(888_888, 888_888))
+        self.progress.setFixedWidth(widest + 3 * self.progress.fontMetrics().averageCharWidth())
         self.progress.hide()
         status_bar.addWidget(self.message, 1)
         status_bar.addPermanentWidget(self.progress)
@@ -130,7 +137,7 @@ class TurnStatus(QObject):
         if self._clock.isValid() and self._clock.elapsed() > PROGRESS_AFTER_MS:
             self.progress.setRange(0, total)
             self.progress.setValue(done)
-            self.progress.setFormat(f"Reading {done:,}/{total:,} tokens")
+            self.progress.setFormat(progress_text(done, total))
             self.progress.show()
 
     def on_restored(self, info: RestoreInfo, first_turn: bool) -> None:
