@@ -265,7 +265,7 @@ def test_the_first_bad_chunk_in_order_gives_the_reason(tiny_model, saved_convers
     assert "checksum mismatch" in finished.restore.rejected
 
 
-def test_read_ahead_keeps_the_order_and_stops_at_a_failure():
+def test_reading_in_threads_keeps_the_order_and_stops_at_a_failure():
     started = []
 
     def read(i):
@@ -274,7 +274,7 @@ def test_read_ahead_keeps_the_order_and_stops_at_a_failure():
             raise ValueError("three")
         return i * 10
 
-    results = kvstore._read_ahead(read, [(i,) for i in range(50)], 4)
+    results = kvstore._read_in_threads(read, [(i,) for i in range(50)], 4)
     assert [next(results) for _ in range(3)] == [0, 10, 20]
     with pytest.raises(ValueError, match="three"):
         next(results)

@@ -246,20 +246,13 @@ def _attention(block: nn.Module, weights: _Weights, x: np.ndarray, mask, cache) 
         q, k = _norm_rows(q, weights, "q"), _norm_rows(k, weights, "k")
     dims = q.shape[-1]
     rotations = _ROPES.get(attention.rope, weights.rope_key, dims, cache.offset, rows)
-    q, k = _rotated(q, rotations), _rotated(k, rotations)
+    q, k = cpu_blas.stacked_matmul(q, rotations), cpu_blas.stacked_matmul(k, rotations)
     keys, values = cache.update_and_fetch(_heads_first(k), _heads_first(v))
     out = kvattention.scaled_dot_product_attention(
         _heads_first(q), keys, values, cache=cache, scale=attention.scale, mask=mask
     )
     mx.eval(out)
     return _product(weights, "o", np.asarray(out)[0].swapaxes(0, 1).reshape(rows, -1))
-
-
-def _rotated(x: np.ndarray, rotations: np.ndarray) -> np.ndarray:
-    """Each row's heads (rows, heads, dims) times its position's rotation."""
-    if len(x) == 1:
-        return cpu_blas.matmul(x[0], rotations[0])[None]
-    return np.matmul(x, rotations)
 
 
 def _heads_first(x: np.ndarray) -> mx.array:

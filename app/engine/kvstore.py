@@ -340,11 +340,11 @@ class KVStore:
                 yield read_file(path, wanted, load=load_mlx)
             return
         calls = list(zip(paths, expected, strict=True))
-        for tensors, metadata in _read_ahead(read_file, calls, _READ_AHEAD):
+        for tensors, metadata in _read_in_threads(read_file, calls, _READ_AHEAD):
             yield to_device(tensors), metadata
 
 
-def _read_ahead(read: Callable, calls: list[tuple], ahead: int) -> Iterator:
+def _read_in_threads(read: Callable, calls: list[tuple], ahead: int) -> Iterator:
     """`read(*args)` for each of `calls`, in order, run by `ahead` threads at most that
     many calls ahead of the one yielded. A failure is raised when its turn comes; the
     calls not started by then never are (those under way finish first)."""
