@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,42 @@ def app_dirs(tmp_path, monkeypatch) -> dict[str, Path]:
         dirs[name] = tmp_path / name
         monkeypatch.setenv(variable, str(dirs[name]))
     return dirs
+
+
+# A modal box that no test answers blocks its test for good (CI stop 28 sat 90 minutes in
+# one); this long, it is closed and the test fails saying what the box said.
+BOX_PATIENCE_S = 30
+
+
+@pytest.fixture(autouse=True)
+def no_box_left_open(request):
+    """For Qt tests: close a modal box left unanswered, and fail the test with its text."""
+    if "qtbot" not in request.fixturenames:
+        yield
+        return
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication, QMessageBox
+
+    request.getfixturevalue("qapp")
+    box_since: list = [None, 0.0]  # the modal box on top, and since when
+    left_open: list[str] = []
+
+    def look() -> None:
+        box = QApplication.activeModalWidget()
+        if box is not box_since[0]:
+            box_since[:] = [box, time.monotonic()]
+        elif box is not None and time.monotonic() - box_since[1] > BOX_PATIENCE_S:
+            said = box.text() if isinstance(box, QMessageBox) else ""
+            left_open.append(f"{box.windowTitle()!r}: {said!r}")
+            box.reject()
+
+    watch = QTimer()
+    watch.timeout.connect(look)
+    watch.start(1000)
+    yield
+    watch.stop()
+    if left_open:
+        pytest.fail("a box nobody answered: " + "; ".join(left_open))
 
 
 @pytest.fixture(params=["mlx reads", "read ahead"])

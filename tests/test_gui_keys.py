@@ -3,6 +3,8 @@ all listed in the Help menu."""
 
 from __future__ import annotations
 
+import time
+
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QApplication, QInputDialog, QTableWidget
@@ -184,23 +186,27 @@ def test_escape_in_the_search_box_clears_the_search(qtbot, open_window):  # noqa
     assert window.sidebar.search.text() == ""
 
 
-def when_a_box_opens(act) -> None:
-    """Once a modal box is up, `act(box)`."""
+def when_a_box_opens(act, title: str | None = None) -> None:
+    """Once a modal box (titled `title`, if given) is up, `act(box)`. Another box is
+    left alone: conftest's watchdog closes it and fails the test with its text."""
+
+    deadline = time.monotonic() + 60  # not on into later tests
 
     def look() -> None:
         box = QApplication.activeModalWidget()
-        if box is None:
-            QTimer.singleShot(50, look)
+        if box is None or (title is not None and box.windowTitle() != title):
+            if time.monotonic() < deadline:
+                QTimer.singleShot(50, look)
             return
         act(box)
 
     QTimer.singleShot(50, look)
 
 
-def answer_the_box(qtbot, press) -> list:
-    """When a message box comes up, note its default button, then `press(box)`."""
+def answer_the_box(qtbot, press, title: str) -> list:
+    """When the box titled `title` comes up, note its default button, then `press(box)`."""
     seen = []
-    when_a_box_opens(lambda box: seen.append(box.defaultButton().text()) or press(box))
+    when_a_box_opens(lambda box: seen.append(box.defaultButton().text()) or press(box), title)
     return seen
 
 
@@ -211,11 +217,11 @@ def test_enter_in_the_delete_box_keeps_the_chat_and_deleting_the_open_one_clears
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=4)
     chat = window.conversation_id
-    seen = answer_the_box(qtbot, lambda box: qtbot.keyClick(box, Qt.Key.Key_Return))
+    seen = answer_the_box(qtbot, lambda box: qtbot.keyClick(box, Qt.Key.Key_Return), "Delete")
     window.delete(chat)
     assert seen == ["&No"] and window.store.get(chat).id == chat  # Enter: kept
     yes = lambda box: box.button(box.StandardButton.Yes).click()  # noqa: E731
-    answer_the_box(qtbot, yes)
+    answer_the_box(qtbot, yes, "Delete")
     window.delete(chat)
     # The chat on screen is gone: an empty new chat takes its place, not the old view.
     qtbot.waitUntil(lambda: window.conversation_id is None, timeout=10_000)
