@@ -1,6 +1,8 @@
-"""The one compiled part: app/engine/kvdecode.c, the CPU path's attention over the
-packed KV cache (app/engine/kvcpu.py). Optional: where it cannot be built (no C
-compiler), the install goes on and kvcpu uses its numpy code instead."""
+"""The one compiled library: app/engine/kvdecode.c, the CPU path's attention over
+the packed KV cache (app/engine/kvcpu.py), and app/engine/packed_rows.c, its decode
+step's products through weights as stored (app/engine/packed_rows.py). Optional:
+where it cannot be built (no C compiler), the install goes on and both use numpy
+and BLAS instead."""
 
 from setuptools import Extension, setup
 
@@ -8,7 +10,8 @@ setup(
     ext_modules=[
         Extension(
             "app.engine._kvdecode",
-            sources=["app/engine/kvdecode.c"],
+            sources=["app/engine/kvdecode.c", "app/engine/packed_rows.c"],
+            depends=["app/engine/vector8.h"],
             # -Wno-psabi: kvdecode.c's vector helpers are always inlined, so GCC's
             # notes that passing them to an AVX2 clone changes the ABI do not apply.
             extra_compile_args=["-O3", "-Wno-psabi"],
