@@ -35,7 +35,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map_with_path
 
-from app.engine import blas
+from app.engine import blas, packed_rows
 
 enabled = os.environ.get("REPRISE_CPU_GEMV", "on") != "off"
 
@@ -188,13 +188,25 @@ def gemv(weight: np.ndarray, row: np.ndarray) -> np.ndarray:
     return out
 
 
-def row_times_transposed(x: mx.array, weight: mx.array) -> mx.array:
+def row_product(
+    weight: np.ndarray, row: np.ndarray, packed: packed_rows.PackedWeight | None = None
+) -> np.ndarray:
+    """`weight @ row`: through the weight as stored where the layer was quantized
+    (`packed_rows`, on this turn's threads), else sgemv on the float32 weight."""
+    if packed_rows.usable(packed):
+        return packed_rows.product(packed, row, threads() or 1)
+    return gemv(weight, row)
+
+
+def row_times_transposed(
+    x: mx.array, weight: mx.array, packed: packed_rows.PackedWeight | None = None
+) -> mx.array:
     """`x @ weight.T` for a single row `x` (any leading shape of size 1)."""
     mx.eval(x, weight)
     w = np.asarray(weight)  # mlx's own buffer, no copy
     if not w.flags.c_contiguous:
         return x @ weight.T
-    out = gemv(w, np.asarray(x).reshape(w.shape[1]))
+    out = row_product(w, np.asarray(x).reshape(w.shape[1]), packed)
     return mx.array(out).reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -205,7 +217,7 @@ class RowLinear(nn.Linear):
         weight = self["weight"]
         if not _one_row(x, weight):
             return super().__call__(x)
-        y = row_times_transposed(x, weight)
+        y = row_times_transposed(x, weight, getattr(self, "packed_weight", None))
         return y + self["bias"] if "bias" in self else y
 
 
@@ -215,7 +227,7 @@ class RowEmbedding(nn.Embedding):
     def as_linear(self, x: mx.array) -> mx.array:
         if not _one_row(x, self.weight):
             return super().as_linear(x)
-        return row_times_transposed(x, self.weight)
+        return row_times_transposed(x, self.weight, getattr(self, "packed_weight", None))
 
 
 def _row_layer(_path: str, module: nn.Module) -> nn.Module:
@@ -229,6 +241,7 @@ def _row_layer(_path: str, module: nn.Module) -> nn.Module:
     layer.weight = module.weight
     if "bias" in module:
         layer.bias = module.bias
+    layer.packed_weight = getattr(module, "packed_weight", None)
     return layer
 
 

@@ -23,7 +23,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from app.engine import blas, cpu_blas, cpu_layers, kvattention
+from app.engine import blas, cpu_blas, cpu_layers, kvattention, packed_rows
 from app.engine.errors import UserError
 
 # Dequantize on the CPU only while float32 weights take at most this share of RAM.
@@ -150,10 +150,17 @@ def _physical_memory() -> int:
 
 
 def _dense_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
+    """Dequantized in `dtype` (mlx's dequantize computes in the scales' dtype: in
+    float16 a value kept 11 bits, and a float32 weight differed from the stored
+    one by up to 1/2048, as `packed_rows`' products read it)."""
     mode = getattr(module, "mode", "affine")
+    scales = module.scales
     biases = module.get("biases")
+    if mode == "affine" and mx.issubdtype(dtype, mx.floating):
+        scales = scales.astype(dtype)
+        biases = biases.astype(dtype) if biases is not None else None
     return mx.dequantize(
-        module.weight, module.scales, biases, module.group_size, module.bits, mode=mode
+        module.weight, scales, biases, module.group_size, module.bits, mode=mode
     ).astype(dtype)
 
 
@@ -179,6 +186,9 @@ def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
         layer.weight = weight
         if "bias" in module:
             layer.bias = module.bias.astype(dtype)
+        if dtype == mx.float32 and type(layer) in (nn.Linear, nn.Embedding):
+            # kept for the decode step's one-row products (`packed_rows`)
+            layer.packed_weight = packed_rows.of_module(module)
         return layer
 
     leaves = tree_map_with_path(dense, model.leaf_modules(), is_leaf=nn.Module.is_module)

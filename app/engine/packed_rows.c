@@ -1,0 +1,332 @@
+/* One row through a layer's weights as mlx stores them quantized: y = W x, W's
+ * rows packed 4 or 8 bits a value (affine: a scale and a bias per group of a
+ * row). Called through ctypes from app/engine/packed_rows.py, which checks every
+ * shape it passes, for the one-row products of the CPU path's decode step.
+ *
+ * Why: the CPU path runs float32 weights dequantized at load (prefill is products
+ * of many rows, fast in float32 BLAS; mlx's float16 arithmetic is emulated on the
+ * CPU). A decode step's one row reads every weight once: the starter's 540 MB in
+ * float32, a seventh of that as stored. Here the codes are widened in registers
+ * and multiplied at once, so they are the only weight bytes read from memory.
+ *
+ * The maths, per group of a row (codes c, scale s, bias b): w.x = s (c.x) + b sum(x).
+ * Little-endian packing (mlx's): value i of a row is bits (i % per) * bits of
+ * 32-bit word i / per, per = 32 / bits.
+ *
+ * Threads: the rows are shared among `threads` threads, the caller and helpers
+ * that wait for the next product, spinning a while, then asleep. One product uses
+ * them at a time; a caller that finds them busy (another thread's product) does
+ * its own alone.
+ */
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vector8.h"
+
+#define MAX_THREADS 16
+#define ROW_BLOCK 4 /* rows multiplied together: each x chunk loaded once for them */
+#define PREFETCH_BLOCKS 4 /* how far ahead the rows are fetched */
+#define SPIN 20000  /* polls by a helper before it sleeps (about a millisecond) */
+
+typedef uint32_t v8u __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef int32_t v8i __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+struct product {
+    const uint32_t *codes;
+    const float *scales, *biases, *x, *sums; /* sums: of x over each group */
+    int rows, words, groups, group, bits;
+    float *y;
+};
+
+/* Values 8k..8k+7 of a row at 4 bits: one word, each lane shifted to its nibble. */
+VECTOR_INLINE v8 widen4(uint32_t word)
+{
+    const v8u shifts = {0, 4, 8, 12, 16, 20, 24, 28};
+    v8u w = {word, word, word, word, word, word, word, word};
+    return __builtin_convertvector((v8i)((w >> shifts) & 15u), v8);
+}
+
+/* Words k..k+7 of a row at 8 bits, value j of each (values 4l + j of the 32). */
+VECTOR_INLINE v8 byte_j(v8u words, const int j)
+{
+    return __builtin_convertvector((v8i)((words >> (uint32_t)(8 * j)) & 255u), v8);
+}
+
+VECTOR_INLINE v8u load8u(const uint32_t *p)
+{
+    v8u v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+VECTOR_INLINE float lane_sum(v8 v)
+{
+    float sum = 0;
+    for (int l = 0; l < LANES; l++)
+        sum += v[l];
+    return sum;
+}
+
+/* Group g's sums of rows [first, first + n) into their totals: scaled, and the
+ * group's bias times the sum of x over it. */
+VECTOR_INLINE void add_group(const struct product *p, int first, int n, ptrdiff_t g,
+                             const v8 *acc, v8 *total, float *bias)
+{
+    for (int r = 0; r < n; r++) {
+        ptrdiff_t at = (ptrdiff_t)(first + r) * p->groups + g;
+        total[r] += p->scales[at] * acc[r];
+        bias[r] += p->biases[at] * p->sums[g];
+    }
+}
+
+/* Rows [first, first + n) (n <= ROW_BLOCK), 4 bits: each word's eight values
+ * against eight of x, the word in every lane shifted to its own nibble. */
+VECTOR_INLINE void row_block4(const struct product *p, int first, int n)
+{
+    const uint32_t *rows[ROW_BLOCK];
+    v8 total[ROW_BLOCK] = {{0}};
+    float bias[ROW_BLOCK] = {0};
+    for (int r = 0; r < n; r++)
+        rows[r] = p->codes + (ptrdiff_t)(first + r) * p->words;
+    const ptrdiff_t words = p->group / LANES; /* a group's */
+    for (ptrdiff_t g = 0; g < p->groups; g++) {
+        v8 acc[ROW_BLOCK] = {{0}};
+        for (ptrdiff_t k = g * words; k < (g + 1) * words; k++) {
+            v8 xv = load8(p->x + k * LANES);
+            for (int r = 0; r < n; r++)
+                acc[r] += widen4(rows[r][k]) * xv;
+        }
+        add_group(p, first, n, g, acc, total, bias);
+    }
+    for (int r = 0; r < n; r++)
+        p->y[first + r] = lane_sum(total[r]) + bias[r];
+}
+
+/* The same at 8 bits: eight words (32 values) at once, value j of each word against
+ * x as `xs` holds it, permuted so that those eight values are adjacent. (Building
+ * a vector of two words, each in four lanes, went through the stack, and each load
+ * waited on the stores before it: 10x slower.) */
+VECTOR_INLINE void row_block8(const struct product *p, int first, int n)
+{
+    const uint32_t *rows[ROW_BLOCK];
+    v8 total[ROW_BLOCK] = {{0}};
+    float bias[ROW_BLOCK] = {0};
+    for (int r = 0; r < n; r++)
+        rows[r] = p->codes + (ptrdiff_t)(first + r) * p->words;
+    const ptrdiff_t loads = p->group / 32; /* a group's, eight words each */
+    for (ptrdiff_t g = 0; g < p->groups; g++) {
+        v8 acc[ROW_BLOCK] = {{0}};
+        for (ptrdiff_t k = g * loads; k < (g + 1) * loads; k++) {
+            const float *xs = p->x + k * 32;
+            v8 x0 = load8(xs), x1 = load8(xs + 8), x2 = load8(xs + 16), x3 = load8(xs + 24);
+            for (int r = 0; r < n; r++) {
+                v8u words = load8u(rows[r] + k * LANES);
+                acc[r] += byte_j(words, 0) * x0 + byte_j(words, 1) * x1 +
+                          byte_j(words, 2) * x2 + byte_j(words, 3) * x3;
+            }
+        }
+        add_group(p, first, n, g, acc, total, bias);
+    }
+    for (int r = 0; r < n; r++)
+        p->y[first + r] = lane_sum(total[r]) + bias[r];
+}
+
+/* The bytes of `n` rows from `first` a block's work ahead of their turn: one
+ * thread streams weights at a fraction of the memory's speed without it (77 against
+ * 46 µs a 1536x576 product out of the cache and in it). */
+static inline void prefetch(const void *start, size_t bytes)
+{
+    for (size_t at = 0; at < bytes; at += 64)
+        __builtin_prefetch((const char *)start + at);
+}
+
+static inline void prefetch_rows(const struct product *p, int first, int n)
+{
+    prefetch(p->codes + (ptrdiff_t)first * p->words, (size_t)n * p->words * sizeof(uint32_t));
+    prefetch(p->scales + (ptrdiff_t)first * p->groups, (size_t)n * p->groups * sizeof(float));
+    prefetch(p->biases + (ptrdiff_t)first * p->groups, (size_t)n * p->groups * sizeof(float));
+}
+
+/* n is a constant where the row blocks are inlined: their sums stay in registers. */
+VECTOR_CLONES
+static void product_rows(const struct product *p, int start, int stop)
+{
+    int first = start;
+    for (; first + ROW_BLOCK <= stop; first += ROW_BLOCK) {
+        int ahead = first + PREFETCH_BLOCKS * ROW_BLOCK;
+        if (ahead + ROW_BLOCK <= stop)
+            prefetch_rows(p, ahead, ROW_BLOCK);
+        if (p->bits == 4)
+            row_block4(p, first, ROW_BLOCK);
+        else
+            row_block8(p, first, ROW_BLOCK);
+    }
+    for (; first < stop; first++) {
+        if (p->bits == 4)
+            row_block4(p, first, 1);
+        else
+            row_block8(p, first, 1);
+    }
+}
+
+/* Share `index` of `shares`: whole row blocks, as even as they come. */
+static void product_share(const struct product *p, int index, int shares)
+{
+    int blocks = (p->rows + ROW_BLOCK - 1) / ROW_BLOCK;
+    int start = blocks * index / shares * ROW_BLOCK;
+    int stop = blocks * (index + 1) / shares * ROW_BLOCK;
+    product_rows(p, start, stop < p->rows ? stop : p->rows);
+}
+
+static inline void relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* The helpers. `posted` counts products handed out; each helper takes share
+ * `index` of the newest and counts `pending` down when done (all of them, with
+ * or without a share, so the caller waits on one number). */
+static struct {
+    pthread_mutex_t busy; /* held by the product using the helpers */
+    pthread_mutex_t lock; /* with `wake`: a sleeping helper misses no product */
+    pthread_cond_t wake;
+    atomic_uint posted;
+    atomic_int pending;
+    int helpers; /* started so far */
+    unsigned started_at[MAX_THREADS]; /* `posted` when each was started */
+    const struct product *product;
+    int shares;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static unsigned next_product(unsigned seen)
+{
+    unsigned now = atomic_load_explicit(&pool.posted, memory_order_acquire);
+    for (int spin = 0; now == seen && spin < SPIN; spin++) {
+        relax();
+        now = atomic_load_explicit(&pool.posted, memory_order_acquire);
+    }
+    if (now == seen) {
+        pthread_mutex_lock(&pool.lock);
+        while ((now = atomic_load_explicit(&pool.posted, memory_order_acquire)) == seen)
+            pthread_cond_wait(&pool.wake, &pool.lock);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    return now;
+}
+
+static void *helper(void *arg)
+{
+    int index = (int)(intptr_t)arg;
+    unsigned seen = pool.started_at[index]; /* not `posted` now: it may be past this */
+    for (;;) {
+        seen = next_product(seen);
+        if (index < pool.shares)
+            product_share(pool.product, index, pool.shares);
+        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+/* At least `count` helpers (fewer where a thread cannot start); how many run. */
+static int start_helpers(int count)
+{
+    while (pool.helpers < count) {
+        pthread_t thread;
+        pthread_attr_t attributes;
+        pthread_attr_init(&attributes);
+        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+        pool.started_at[pool.helpers + 1] = atomic_load(&pool.posted);
+        int failed = pthread_create(&thread, &attributes, helper, (void *)(intptr_t)(pool.helpers + 1));
+        pthread_attr_destroy(&attributes);
+        if (failed)
+            break;
+        pool.helpers++;
+    }
+    return pool.helpers;
+}
+
+/* A child of fork has none of the parent's helpers. */
+static void forget_helpers(void)
+{
+    pthread_mutex_t unlocked = PTHREAD_MUTEX_INITIALIZER;
+    pool.busy = unlocked;
+    pool.lock = unlocked;
+    pthread_cond_t fresh = PTHREAD_COND_INITIALIZER;
+    pool.wake = fresh;
+    pool.helpers = 0;
+}
+
+static pthread_once_t fork_handler = PTHREAD_ONCE_INIT;
+
+static void install_fork_handler(void) { pthread_atfork(NULL, NULL, forget_helpers); }
+
+/* Shares the product among the caller and `threads` - 1 helpers; false where the
+ * helpers are another product's now, or none could start. */
+static int shared(const struct product *p, int threads)
+{
+    pthread_once(&fork_handler, install_fork_handler);
+    if (pthread_mutex_trylock(&pool.busy) != 0)
+        return 0;
+    int helpers = start_helpers(threads - 1);
+    if (helpers == 0) {
+        pthread_mutex_unlock(&pool.busy);
+        return 0;
+    }
+    pool.product = p;
+    pool.shares = threads < helpers + 1 ? threads : helpers + 1;
+    atomic_store_explicit(&pool.pending, helpers, memory_order_relaxed);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add_explicit(&pool.posted, 1, memory_order_release);
+    pthread_mutex_unlock(&pool.lock);
+    pthread_cond_broadcast(&pool.wake);
+    product_share(p, 0, pool.shares);
+    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0)
+        relax();
+    pthread_mutex_unlock(&pool.busy);
+    return 1;
+}
+
+/* y = W x: W (rows, words) uint32 codes, `groups` scales and biases a row (float32,
+ * contiguous), x (groups * group) float32; bits 4 (group a multiple of 8) or 8 (of
+ * 32). False where the row is too long for the scratch. */
+int reprise_packed_gemv(const uint32_t *codes, const float *scales, const float *biases,
+                        const float *x, int rows, int groups, int group, int bits, float *y,
+                        int threads)
+{
+    int columns = groups * group;
+    float *scratch = malloc((size_t)(columns + groups) * sizeof(float));
+    if (scratch == NULL)
+        return 0;
+    float *sums = scratch + columns;
+    for (int g = 0; g < groups; g++) {
+        float sum = 0;
+        for (int i = 0; i < group; i++)
+            sum += x[g * group + i];
+        sums[g] = sum;
+    }
+    if (bits == 8) /* row_block8's order: per 32 values, value 4l + j at 8j + l */
+        for (int at = 0; at < columns; at += 32)
+            for (int l = 0; l < LANES; l++)
+                for (int j = 0; j < 4; j++)
+                    scratch[at + 8 * j + l] = x[at + 4 * l + j];
+    struct product p = {codes, scales, biases, bits == 8 ? scratch : x, sums, rows,
+                        columns * bits / 32, groups, group, bits, y};
+    if (threads > MAX_THREADS - 1)
+        threads = MAX_THREADS - 1;
+    if (threads < 2 || rows < 2 * ROW_BLOCK || !shared(&p, threads))
+        product_rows(&p, 0, rows);
+    free(scratch);
+    return 1;
+}
+
+/* The version of the arguments above, for packed_rows.py to check (a stale build
+ * beside newer Python is refused). */
+int reprise_packed_abi(void) { return 1; }

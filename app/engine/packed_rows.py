@@ -1,0 +1,121 @@
+"""One row through a layer's weights as stored, packed 4 or 8 bits (packed_rows.c).
+
+The CPU path dequantizes a quantized model to float32 at load (`loading`), for
+prefill: products of many rows, fast in float32 BLAS. A decode step multiplies
+one row by every weight once, so it is bound by the bytes it reads: the
+starter's 540 MB a step in float32, 75 MB as stored. `loading` therefore keeps
+each quantized layer's codes beside its float32 weight (`PackedWeight`, on the
+dense layer as `packed_weight`), and the one-row products (`cpu_blas.row_product`)
+go through `product`.
+
+Only mlx's affine quantization at 4 or 8 bits, groups of a multiple of 8, is
+read here; anything else keeps the float32 product. `REPRISE_PACKED_ROWS=off`
+keeps it for all (benches compare the two), as does a build without the library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+enabled = os.environ.get("REPRISE_PACKED_ROWS", "on") != "off"
+ABI = 1  # packed_rows.c's reprise_packed_abi()
+_P, _INT = ctypes.c_void_p, ctypes.c_int
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A (rows, columns) weight as mlx packs it: `codes` (rows, columns * bits / 32)
+    uint32, `scales` and `biases` (rows, columns / group) float32."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray
+    bits: int
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.scales.shape[1] * self.group
+
+    def split(self, sizes: list[int]) -> list[PackedWeight]:
+        """Row ranges, top to bottom (a fused projection's parts)."""
+        cuts = np.cumsum(sizes)[:-1]
+        parts = zip(
+            *(np.split(a, cuts) for a in (self.codes, self.scales, self.biases)), strict=True
+        )
+        return [PackedWeight(c, s, b, self.bits, self.group) for c, s, b in parts]
+
+
+def of_module(module: nn.Module) -> PackedWeight | None:
+    """A quantized linear or embedding layer's weight, where `product` reads it."""
+    if getattr(module, "mode", "affine") != "affine" or "biases" not in module:
+        return None
+    if module.bits not in (4, 8) or module.group_size % (8 if module.bits == 4 else 32):
+        return None
+    mx.eval(module.weight, module.scales, module.biases)
+    codes = _read_only(np.asarray(module.weight))  # mlx's buffer, kept alive by the view
+    scales, biases = (
+        _read_only(np.array(a.astype(mx.float32))) for a in (module.scales, module.biases)
+    )
+    if codes.dtype != np.uint32:
+        return None
+    return PackedWeight(codes, scales, biases, module.bits, module.group_size)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+def product(weight: PackedWeight, row: np.ndarray, threads: int = 1) -> np.ndarray:
+    """`W @ row` for one float32 row of the weight's columns, its rows shared among
+    `threads` threads."""
+    rows, columns = weight.shape
+    row = np.ascontiguousarray(row, np.float32)
+    if row.shape != (columns,):
+        raise ValueError(f"a row of {row.shape} for a weight of {weight.shape}")
+    out = np.empty(rows, dtype=np.float32)
+    done = _load().reprise_packed_gemv(
+        weight.codes.ctypes.data, weight.scales.ctypes.data, weight.biases.ctypes.data,
+        row.ctypes.data, rows, weight.scales.shape[1], weight.group, weight.bits,
+        out.ctypes.data, threads,
+    )  # fmt: skip
+    if not done:
+        raise MemoryError("no memory for a row's scratch")
+    return out
+
+
+def usable(weight: PackedWeight | None) -> bool:
+    return weight is not None and enabled and available()
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _tried
+    if not _tried:
+        _tried = True
+        try:
+            from app.engine import _kvdecode
+        except ImportError:
+            return None
+        library = ctypes.CDLL(_kvdecode.__file__)
+        if not hasattr(library, "reprise_packed_abi"):
+            return None  # a build from before this file
+        library.reprise_packed_abi.argtypes, library.reprise_packed_abi.restype = [], _INT
+        if library.reprise_packed_abi() != ABI:
+            return None
+        library.reprise_packed_gemv.argtypes = [_P, _P, _P, _P, _INT, _INT, _INT, _INT, _P, _INT]
+        library.reprise_packed_gemv.restype = _INT
+        _library = library
+    return _library
