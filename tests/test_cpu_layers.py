@@ -193,3 +193,19 @@ def test_models_whose_ropes_differ_only_past_their_maximum_keep_their_own_rotati
     monkeypatch.setattr(cpu_layers, "enabled", False)
     want = logits_of_steps(second, prompt, [7], None)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_rotations_turn_pairs_and_anything_else_is_multiplied_as_a_matrix():
+    """A rope's matrices become pairs of dimensions (two products a value); matrices
+    that are not pairs stay a matrix product. Either gives x @ M."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 4, 32)).astype(np.float32)
+    rope = tiny("phi3").model.layers[0].self_attn.rope  # a partial, scaled rotation
+    for matrices, pairs in (
+        (cpu_layers._rope_matrices(rope, 32, 4000, 3), True),
+        (rng.standard_normal((3, 32, 32)).astype(np.float32), False),
+    ):
+        rotation = cpu_layers._Rotation.of(matrices)
+        assert (rotation.partner is not None) == pairs
+        want = np.einsum("rhi,rij->rhj", x, matrices)
+        np.testing.assert_allclose(rotation(x), want, rtol=1e-5, atol=1e-5)

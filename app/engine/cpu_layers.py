@@ -39,7 +39,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma3_text, llama, phi3, qwen2, qwen3
 
-from app.engine import cpu_blas, kvattention
+from app.engine import cpu_blas, kvattention, packed_rows
 
 enabled = os.environ.get("REPRISE_CPU_LAYERS", "on") != "off"
 # Calls of up to this many rows: decode steps, and a short follow-up's prompt
@@ -48,7 +48,13 @@ enabled = os.environ.get("REPRISE_CPU_LAYERS", "on") != "off"
 MAX_ROWS = 64
 
 _LINEAR = (nn.Linear, cpu_blas.RowLinear)
-Projection = tuple[np.ndarray, "np.ndarray | None"]  # weight (outputs, inputs), bias
+
+
+@dataclass(frozen=True)
+class Projection:
+    weight: np.ndarray  # (outputs, inputs) float32
+    bias: np.ndarray | None
+    packed: packed_rows.PackedWeight | None  # the weight as stored, where quantized
 
 
 @dataclass
@@ -71,7 +77,8 @@ def _view(array: mx.array) -> np.ndarray:
 
 
 def _linear(module: nn.Module) -> Projection:
-    return _view(module["weight"]), _view(module["bias"]) if "bias" in module else None
+    bias = _view(module["bias"]) if "bias" in module else None
+    return Projection(_view(module["weight"]), bias, getattr(module, "packed_weight", None))
 
 
 def _norm(module: nn.Module, offset: float = 0.0) -> tuple[np.ndarray, float]:
@@ -84,11 +91,12 @@ def _norm(module: nn.Module, offset: float = 0.0) -> tuple[np.ndarray, float]:
 
 def _rows(module: nn.Module, *sizes: int) -> list[Projection]:
     """A fused projection's parts, top to bottom: views of row ranges (contiguous)."""
-    weight, bias = _linear(module)
+    whole = _linear(module)
     cuts = np.cumsum(sizes)[:-1]
-    parts = np.split(weight, cuts)
-    biases = np.split(bias, cuts) if bias is not None else [None] * len(parts)
-    return list(zip(parts, biases, strict=True))
+    parts = np.split(whole.weight, cuts)
+    biases = np.split(whole.bias, cuts) if whole.bias is not None else [None] * len(parts)
+    packed = whole.packed.split(list(sizes)) if whole.packed else [None] * len(parts)
+    return [Projection(*p) for p in zip(parts, biases, packed, strict=True)]
 
 
 # Each family's block read as: h = x + [post_attention](attention(input(x))), then
@@ -187,30 +195,72 @@ def _weights(block: nn.Module) -> _Weights | None:
         return None
     mx.eval(arrays)
     projections, norms, activation = LAYOUTS[type(block)](block)
-    if not projections or not all(w.flags.c_contiguous for w, _ in projections.values()):
+    if not projections or not all(p.weight.flags.c_contiguous for p in projections.values()):
         return None
     attention = block.self_attn
-    head_dim = projections["q"][0].shape[0] // attention.n_heads
+    head_dim = projections["q"].weight.shape[0] // attention.n_heads
     return _Weights(projections, norms, activation, _rope_key(attention.rope, head_dim))
 
 
+@dataclass(frozen=True)
+class _Rotation:
+    """The rotary embedding at the positions of a call's rows. Each column of a
+    rotation matrix holds at most two entries (it turns pairs of dimensions), so
+    `x @ M` is `x * same + x[..., partner] * other`: two products a value where the
+    matrix product took 15-40 µs a call. `matrices` alone where a module's are not
+    so (the product then)."""
+
+    matrices: np.ndarray  # (rows, dims, dims)
+    partner: np.ndarray | None  # (dims,) the dimension each is turned with
+    same: np.ndarray | None  # (rows, 1, dims)
+    other: np.ndarray | None  # (rows, 1, dims)
+
+    @classmethod
+    def of(cls, matrices: np.ndarray) -> _Rotation:
+        dims = matrices.shape[-1]
+        off_diagonal = (matrices != 0).any(axis=0) & ~np.eye(dims, dtype=bool)  # [from, to]
+        if (off_diagonal.sum(axis=0) > 1).any():
+            return cls(matrices, None, None, None)
+        columns = np.arange(dims)
+        partner = np.where(off_diagonal.any(axis=0), off_diagonal.argmax(axis=0), columns)
+        same = matrices[:, columns, columns]
+        other = np.where(partner != columns, matrices[:, partner, columns], 0)
+        rebuilt = np.zeros_like(matrices)
+        rebuilt[:, partner, columns] = other
+        rebuilt[:, columns, columns] += same
+        if not np.array_equal(rebuilt, matrices):
+            return cls(matrices, None, None, None)
+        return cls(matrices, partner, same[:, None], other[:, None].astype(np.float32))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """Rows `x` (rows, heads, dims), each turned as at its position."""
+        if self.partner is None:
+            return cpu_blas.stacked_matmul(x, self.matrices)
+        out = np.take(
+            x, self.partner, axis=-1, out=np.empty_like(x)
+        )  # C order, as x[..., p] is not
+        out *= self.other
+        out += x * self.same
+        return out
+
+
 class _RopeMatrices:
-    """The rotation matrices of the calls under way, by kind of rope module and
-    positions; a few are kept (two sessions may decode at once)."""
+    """The rotations of the calls under way, by kind of rope module and positions; a
+    few are kept (two sessions may decode at once)."""
 
     KEEP = 16
 
     def __init__(self) -> None:
-        self._matrices: dict[tuple[bytes, int, int], np.ndarray] = {}
+        self._rotations: dict[tuple[bytes, int, int], _Rotation] = {}
 
-    def get(self, rope: nn.Module, key: bytes, dims: int, offset: int, rows: int) -> np.ndarray:
-        matrices = self._matrices.get((key, offset, rows))
-        if matrices is None:
-            matrices = _rope_matrices(rope, dims, offset, rows)
-            if len(self._matrices) >= self.KEEP:
-                self._matrices.clear()
-            self._matrices[key, offset, rows] = matrices
-        return matrices
+    def get(self, rope: nn.Module, key: bytes, dims: int, offset: int, rows: int) -> _Rotation:
+        rotation = self._rotations.get((key, offset, rows))
+        if rotation is None:
+            rotation = _Rotation.of(_rope_matrices(rope, dims, offset, rows))
+            if len(self._rotations) >= self.KEEP:
+                self._rotations.clear()
+            self._rotations[key, offset, rows] = rotation
+        return rotation
 
 
 _ROPES = _RopeMatrices()
@@ -228,10 +278,14 @@ def _norm_rows(x: np.ndarray, weights: _Weights, place: str) -> np.ndarray:
 
 
 def _product(weights: _Weights, name: str, x: np.ndarray) -> np.ndarray:
-    """Rows `x` (rows, inputs) through a projection: sgemv for one, else `cpu_blas`."""
-    weight, bias = weights.projections[name]
-    out = cpu_blas.gemv(weight, x[0])[None] if len(x) == 1 else cpu_blas.matmul(x, weight.T)
-    return out if bias is None else np.add(out, bias, out=out)
+    """Rows `x` (rows, inputs) through a projection: `cpu_blas.row_product` for one
+    (the weight as stored where it was quantized), else `cpu_blas.matmul`."""
+    p = weights.projections[name]
+    if len(x) == 1:
+        out = cpu_blas.row_product(p.weight, x[0], p.packed)[None]
+    else:
+        out = cpu_blas.matmul(x, p.weight.T)
+    return out if p.bias is None else np.add(out, p.bias, out=out)
 
 
 def _attention(block: nn.Module, weights: _Weights, x: np.ndarray, mask, cache) -> np.ndarray:
@@ -245,8 +299,8 @@ def _attention(block: nn.Module, weights: _Weights, x: np.ndarray, mask, cache) 
     if "q" in weights.norms:
         q, k = _norm_rows(q, weights, "q"), _norm_rows(k, weights, "k")
     dims = q.shape[-1]
-    rotations = _ROPES.get(attention.rope, weights.rope_key, dims, cache.offset, rows)
-    q, k = cpu_blas.stacked_matmul(q, rotations), cpu_blas.stacked_matmul(k, rotations)
+    rotate = _ROPES.get(attention.rope, weights.rope_key, dims, cache.offset, rows)
+    q, k = rotate(q), rotate(k)
     keys, values = cache.update_and_fetch(_heads_first(k), _heads_first(v))
     out = kvattention.scaled_dot_product_attention(
         _heads_first(q), keys, values, cache=cache, scale=attention.scale, mask=mask
