@@ -6,9 +6,11 @@ nothing of Reprise in it, then the engine in this process. Figures are tokens
 per second, and the ratio engine / plain.
 
 `--context N ...` adds long prompts: the engine's prefill of N tokens and its
-decode after them, as it runs, then with mlx's layers in decode steps (the
-`cpu_layers` switch), then with mlx's matmul for one-row products as well
-(`cpu_blas`), then with mlx's attention too (`cpu_attention`), and with
+decode after them, as it runs, then with float32 weights in its one-row products
+(the `packed_rows` switch; a quantized model's decode reads its codes), then with
+mlx's layers in decode steps too (`cpu_layers`), then with mlx's matmul for
+one-row products as well (`cpu_blas`), then with mlx's attention too
+(`cpu_attention`), and with
 `--peer llama.cpp` llama.cpp's prefill and decode on the same GGUF and tokens.
 """
 
@@ -22,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from app.bench import llama_cpp_peer
-from app.engine import cpu_attention, cpu_blas, cpu_layers, loading, models
+from app.engine import cpu_attention, cpu_blas, cpu_layers, loading, models, packed_rows
 from app.engine.chat import ChatSession
 from app.engine.generation import SamplingSettings, TurnFinished
 from app.resource_files import resource
@@ -30,12 +32,14 @@ from sessions import paths
 
 TEXT = resource("text/ordinary-english.txt")
 DECODE_TOKENS = 32
-# (row name, (cpu_layers.enabled, cpu_blas.enabled, cpu_attention.enabled))
+# (row name, the switches on: packed_rows, cpu_layers, cpu_blas, cpu_attention)
+SWITCHES = (packed_rows, cpu_layers, cpu_blas, cpu_attention)
 VARIANTS = (
-    ("engine", (True, True, True)),
-    ("engine_mlx_layers", (False, True, True)),
-    ("engine_mlx_products", (False, False, True)),
-    ("engine_mlx_attention", (False, False, False)),
+    ("engine", (True, True, True, True)),
+    ("engine_float32_products", (False, True, True, True)),
+    ("engine_mlx_layers", (False, False, True, True)),
+    ("engine_mlx_products", (False, False, False, True)),
+    ("engine_mlx_attention", (False, False, False, False)),
 )
 
 
@@ -81,16 +85,18 @@ def measure_engine(loaded: loading.LoadedModel, prompt: list[int]) -> dict:
 
 
 def measure_context(loaded: loading.LoadedModel, prompt: list[int], gguf: Path | None) -> dict:
-    """One long prompt: the engine as it runs, then with mlx's layers in decode steps
-    (`cpu_layers` off), with mlx's one-row products too (`cpu_blas` off), with mlx's
-    attention too, then llama.cpp."""
+    """One long prompt: the engine as it runs, then with each of its CPU-path parts
+    turned off in turn (`VARIANTS`), then llama.cpp."""
     row: dict = {"context": len(prompt)}
+    was = [module.enabled for module in SWITCHES]
     for name, switches_on in VARIANTS:
-        cpu_layers.enabled, cpu_blas.enabled, cpu_attention.enabled = switches_on
+        for module, on in zip(SWITCHES, switches_on, strict=True):
+            module.enabled = on and module.enabled  # a part the user turned off stays off
         try:
             row[name] = measure_engine(loaded, prompt)
         finally:
-            cpu_layers.enabled = cpu_blas.enabled = cpu_attention.enabled = True
+            for module, on in zip(SWITCHES, was, strict=True):
+                module.enabled = on
     if gguf is not None:
         row["llama_cpp"] = llama_cpp_peer.speed(gguf, prompt, DECODE_TOKENS)
         row["decode_vs_llama_cpp"] = row["engine"]["decode_tps"] / row["llama_cpp"]["decode_tps"]
@@ -122,7 +128,8 @@ def context_text(row: dict) -> str:
     parts = [f"{row['context']:>7} tokens"]
     for name, label in (
         ("engine", "engine"),
-        ("engine_mlx_layers", "mlx layers"),
+        ("engine_float32_products", "float32 products"),
+        ("engine_mlx_layers", "and mlx layers"),
         ("engine_mlx_products", "and mlx products"),
         ("engine_mlx_attention", "and mlx attention"),
         ("llama_cpp", "llama.cpp"),
