@@ -41,6 +41,13 @@ class PackedWeight:
     bits: int
     group: int
 
+    def __post_init__(self) -> None:
+        # What every product passes first, worked out once (numpy's `.ctypes` takes
+        # microseconds a call, and a decode step makes 211 of them).
+        pointers = [_address(a) for a in (self.codes, self.scales, self.biases)]
+        rows, groups = self.scales.shape
+        object.__setattr__(self, "_arguments", (*pointers, rows, groups, self.group, self.bits))
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.scales.shape[1] * self.group
@@ -70,6 +77,10 @@ def of_module(module: nn.Module) -> PackedWeight | None:
     return PackedWeight(codes, scales, biases, module.bits, module.group_size)
 
 
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
 def _read_only(array: np.ndarray) -> np.ndarray:
     array.flags.writeable = False
     return array
@@ -79,15 +90,15 @@ def product(weight: PackedWeight, row: np.ndarray, threads: int = 1) -> np.ndarr
     """`W @ row` for one float32 row of the weight's columns, its rows shared among
     `threads` threads."""
     rows, columns = weight.shape
-    row = np.ascontiguousarray(row, np.float32)
+    if row.dtype != np.float32 or not row.flags.c_contiguous:
+        row = np.ascontiguousarray(row, np.float32)
     if row.shape != (columns,):
         raise ValueError(f"a row of {row.shape} for a weight of {weight.shape}")
     out = np.empty(rows, dtype=np.float32)
+    codes, scales, biases, rows, groups, group, bits = weight._arguments
     done = _load().reprise_packed_gemv(
-        weight.codes.ctypes.data, weight.scales.ctypes.data, weight.biases.ctypes.data,
-        row.ctypes.data, rows, weight.scales.shape[1], weight.group, weight.bits,
-        out.ctypes.data, threads,
-    )  # fmt: skip
+        codes, scales, biases, _address(row), rows, groups, group, bits, _address(out), threads
+    )
     if not done:
         raise MemoryError("no memory for a row's scratch")
     return out
