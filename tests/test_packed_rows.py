@@ -162,3 +162,13 @@ def test_the_starter_model_replies_the_same_through_its_codes(starter_model, mon
     monkeypatch.setattr(packed_rows, "enabled", False)
     assert got == reply()
     assert len(got.split()) >= 5
+
+
+def test_codes_and_scales_that_disagree_keep_the_float32_product():
+    """A model's files set the shapes: the C is never handed words it would read past."""
+    layer = quantized_layer(8, 128, 4, 32)
+    layer.scales = layer.scales[:, :3]  # a group short
+    assert packed_rows.of_module(layer) is None
+    layer = quantized_layer(8, 128, 4, 32)
+    layer.biases = layer.biases[:7]
+    assert packed_rows.of_module(layer) is None

@@ -72,9 +72,22 @@ def of_module(module: nn.Module) -> PackedWeight | None:
     scales, biases = (
         _read_only(np.array(a.astype(mx.float32))) for a in (module.scales, module.biases)
     )
-    if codes.dtype != np.uint32:
+    if not _laid_out(codes, scales, biases, module.bits, module.group_size):
         return None
     return PackedWeight(codes, scales, biases, module.bits, module.group_size)
+
+
+def _laid_out(codes, scales, biases, bits: int, group: int) -> bool:
+    """What the C reads, and no more: a row's words hold its groups' values exactly,
+    every array contiguous (the shapes come from a model's files)."""
+    return (
+        codes.dtype == np.uint32
+        and codes.ndim == scales.ndim == 2
+        and scales.shape == biases.shape
+        and codes.shape[0] == scales.shape[0]
+        and codes.shape[1] * 32 == scales.shape[1] * group * bits
+        and all(a.flags.c_contiguous for a in (codes, scales, biases))
+    )
 
 
 def _address(array: np.ndarray) -> int:
