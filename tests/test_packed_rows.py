@@ -56,7 +56,7 @@ def assert_product(got: np.ndarray, weight: np.ndarray, x: np.ndarray) -> None:
     assert np.all(np.abs(got - want) <= 1e-5 * scale)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3, 64])
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64)])
 @pytest.mark.parametrize("rows", [1, 7, 130])
 def test_a_product_is_the_dequantized_weight_s(bits, group, rows, threads):

@@ -174,32 +174,35 @@ static inline void relax(void)
 #endif
 }
 
-/* The helpers. `posted` counts products handed out; each helper takes share
- * `index` of the newest and counts `pending` down when done (all of them, with
- * or without a share, so the caller waits on one number). */
+/* The helpers. `given[i]` counts the products handed to helper i: a product on
+ * `shares` threads bumps those of helpers 1 .. shares - 1 only, and waits for those
+ * to count `pending` down. Helpers past the shares sleep on, and are not waited
+ * for (a pool once started for 8 threads and then asked for 2 waited for all 7,
+ * 8x slower). */
 static struct {
     pthread_mutex_t busy; /* held by the product using the helpers */
     pthread_mutex_t lock; /* with `wake`: a sleeping helper misses no product */
-    pthread_cond_t wake;
-    atomic_uint posted;
+    pthread_cond_t wake[MAX_THREADS]; /* each helper's own: a broadcast woke them all */
+    atomic_uint given[MAX_THREADS];
     atomic_int pending;
     int helpers; /* started so far */
-    unsigned started_at[MAX_THREADS]; /* `posted` when each was started */
+    unsigned started_at[MAX_THREADS]; /* `given[i]` when helper i was started */
     const struct product *product;
     int shares;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER};
 
-static unsigned next_product(unsigned seen)
+static unsigned next_product(int index, unsigned seen)
 {
-    unsigned now = atomic_load_explicit(&pool.posted, memory_order_acquire);
+    atomic_uint *given = &pool.given[index];
+    unsigned now = atomic_load_explicit(given, memory_order_acquire);
     for (int spin = 0; now == seen && spin < SPIN; spin++) {
         relax();
-        now = atomic_load_explicit(&pool.posted, memory_order_acquire);
+        now = atomic_load_explicit(given, memory_order_acquire);
     }
     if (now == seen) {
         pthread_mutex_lock(&pool.lock);
-        while ((now = atomic_load_explicit(&pool.posted, memory_order_acquire)) == seen)
-            pthread_cond_wait(&pool.wake, &pool.lock);
+        while ((now = atomic_load_explicit(given, memory_order_acquire)) == seen)
+            pthread_cond_wait(&pool.wake[index], &pool.lock);
         pthread_mutex_unlock(&pool.lock);
     }
     return now;
@@ -208,11 +211,10 @@ static unsigned next_product(unsigned seen)
 static void *helper(void *arg)
 {
     int index = (int)(intptr_t)arg;
-    unsigned seen = pool.started_at[index]; /* not `posted` now: it may be past this */
+    unsigned seen = pool.started_at[index]; /* not `given` now: it may be past this */
     for (;;) {
-        seen = next_product(seen);
-        if (index < pool.shares)
-            product_share(pool.product, index, pool.shares);
+        seen = next_product(index, seen);
+        product_share(pool.product, index, pool.shares);
         atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
     }
     return NULL;
@@ -226,7 +228,7 @@ static int start_helpers(int count)
         pthread_attr_t attributes;
         pthread_attr_init(&attributes);
         pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
-        pool.started_at[pool.helpers + 1] = atomic_load(&pool.posted);
+        pool.started_at[pool.helpers + 1] = atomic_load(&pool.given[pool.helpers + 1]);
         int failed = pthread_create(&thread, &attributes, helper, (void *)(intptr_t)(pool.helpers + 1));
         pthread_attr_destroy(&attributes);
         if (failed)
@@ -242,20 +244,25 @@ static void forget_helpers(void)
     pthread_mutex_t unlocked = PTHREAD_MUTEX_INITIALIZER;
     pool.busy = unlocked;
     pool.lock = unlocked;
-    pthread_cond_t fresh = PTHREAD_COND_INITIALIZER;
-    pool.wake = fresh;
+    for (int i = 0; i < MAX_THREADS; i++)
+        pthread_cond_init(&pool.wake[i], NULL);
     pool.helpers = 0;
 }
 
-static pthread_once_t fork_handler = PTHREAD_ONCE_INIT;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
 
-static void install_fork_handler(void) { pthread_atfork(NULL, NULL, forget_helpers); }
+static void set_up(void)
+{
+    for (int i = 0; i < MAX_THREADS; i++)
+        pthread_cond_init(&pool.wake[i], NULL);
+    pthread_atfork(NULL, NULL, forget_helpers);
+}
 
 /* Shares the product among the caller and `threads` - 1 helpers; false where the
  * helpers are another product's now, or none could start. */
 static int shared(const struct product *p, int threads)
 {
-    pthread_once(&fork_handler, install_fork_handler);
+    pthread_once(&once, set_up);
     if (pthread_mutex_trylock(&pool.busy) != 0)
         return 0;
     int helpers = start_helpers(threads - 1);
@@ -265,11 +272,13 @@ static int shared(const struct product *p, int threads)
     }
     pool.product = p;
     pool.shares = threads < helpers + 1 ? threads : helpers + 1;
-    atomic_store_explicit(&pool.pending, helpers, memory_order_relaxed);
+    atomic_store_explicit(&pool.pending, pool.shares - 1, memory_order_relaxed);
     pthread_mutex_lock(&pool.lock);
-    atomic_fetch_add_explicit(&pool.posted, 1, memory_order_release);
+    for (int i = 1; i < pool.shares; i++)
+        atomic_fetch_add_explicit(&pool.given[i], 1, memory_order_release);
     pthread_mutex_unlock(&pool.lock);
-    pthread_cond_broadcast(&pool.wake);
+    for (int i = 1; i < pool.shares; i++)
+        pthread_cond_signal(&pool.wake[i]);
     product_share(p, 0, pool.shares);
     while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0)
         relax();
@@ -279,7 +288,9 @@ static int shared(const struct product *p, int threads)
 
 /* y = W x: W (rows, words) uint32 codes, `groups` scales and biases a row (float32,
  * contiguous), x (groups * group) float32; bits 4 (group a multiple of 8) or 8 (of
- * 32). False where the row is too long for the scratch. */
+ * 32). False where there is no memory for the scratch. An infinite value of x gives
+ * NaN where a float32 product gives an infinity (0 codes times it): either way the
+ * step's output is unusable. */
 int reprise_packed_gemv(const uint32_t *codes, const float *scales, const float *biases,
                         const float *x, int rows, int groups, int group, int bits, float *y,
                         int threads)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -28,6 +29,9 @@ ABI = 1  # packed_rows.c's reprise_packed_abi()
 _P, _INT = ctypes.c_void_p, ctypes.c_int
 _library: ctypes.CDLL | None = None
 _tried = False
+_loading = threading.Lock()
+# More threads than the cores this process may run on only wait for each other.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 
 def product(weight: PackedWeight, row: np.ndarray, threads: int = 1) -> np.ndarray:
     """`W @ row` for one float32 row of the weight's columns, its rows shared among
-    `threads` threads."""
+    `threads` threads (at most the cores this process may use)."""
     rows, columns = weight.shape
     if row.dtype != np.float32 or not row.flags.c_contiguous:
         row = np.ascontiguousarray(row, np.float32)
@@ -109,6 +113,7 @@ def product(weight: PackedWeight, row: np.ndarray, threads: int = 1) -> np.ndarr
         raise ValueError(f"a row of {row.shape} for a weight of {weight.shape}")
     out = np.empty(rows, dtype=np.float32)
     codes, scales, biases, rows, groups, group, bits = weight._arguments
+    threads = max(1, min(threads, _CORES or 1))
     done = _load().reprise_packed_gemv(
         codes, scales, biases, _address(row), rows, groups, group, bits, _address(out), threads
     )
@@ -127,19 +132,24 @@ def available() -> bool:
 
 def _load() -> ctypes.CDLL | None:
     global _library, _tried
-    if not _tried:
-        _tried = True
-        try:
-            from app.engine import _kvdecode
-        except ImportError:
-            return None
-        library = ctypes.CDLL(_kvdecode.__file__)
-        if not hasattr(library, "reprise_packed_abi"):
-            return None  # a build from before this file
-        library.reprise_packed_abi.argtypes, library.reprise_packed_abi.restype = [], _INT
-        if library.reprise_packed_abi() != ABI:
-            return None
-        library.reprise_packed_gemv.argtypes = [_P, _P, _P, _P, _INT, _INT, _INT, _INT, _P, _INT]
-        library.reprise_packed_gemv.restype = _INT
-        _library = library
+    with _loading:  # a second thread must not see it tried and not yet there
+        if not _tried:
+            _library = _open()
+            _tried = True
     return _library
+
+
+def _open() -> ctypes.CDLL | None:
+    try:
+        from app.engine import _kvdecode
+    except ImportError:
+        return None
+    library = ctypes.CDLL(_kvdecode.__file__)
+    if not hasattr(library, "reprise_packed_abi"):
+        return None  # a build from before this file
+    library.reprise_packed_abi.argtypes, library.reprise_packed_abi.restype = [], _INT
+    if library.reprise_packed_abi() != ABI:
+        return None
+    library.reprise_packed_gemv.argtypes = [_P, _P, _P, _P, _INT, _INT, _INT, _INT, _P, _INT]
+    library.reprise_packed_gemv.restype = _INT
+    return library
