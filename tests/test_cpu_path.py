@@ -92,3 +92,21 @@ def test_a_4_bit_mixture_of_experts_runs_dequantized_with_its_stored_logits(
     tokens = mx.array([[5, 300, 1200, 44, 9]])
     want, got = as_stored.model(tokens), dense.model(tokens)
     assert mx.allclose(got, want.astype(mx.float32), atol=2e-2, rtol=2e-2).item()
+
+
+def test_nvfp4_experts_with_a_global_scale_come_back_near_their_weights():
+    """mlx-lm's nvfp4 mixture layers may keep a scale per expert over their group
+    scales: the CPU path's float32 experts include it (they came out about 43,000
+    times too large, and replies were noise)."""
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from app.engine.loading import _dense_weight
+
+    mx.random.seed(0)
+    experts = SwitchLinear(256, 64, 3, bias=False)
+    quantized = experts.to_quantized(group_size=16, bits=4, mode="nvfp4", global_scale=True)
+    assert quantized.global_scale is not None
+    dense = _dense_weight(quantized, mx.float32)
+    error = mx.abs(dense - experts.weight).max() / mx.abs(experts.weight).max()
+    assert error.item() < 0.25  # 4-bit floats: within a step of their grid

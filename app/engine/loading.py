@@ -159,9 +159,15 @@ def _dense_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
     if mode == "affine" and mx.issubdtype(dtype, mx.floating):
         scales = scales.astype(dtype)
         biases = biases.astype(dtype) if biases is not None else None
-    return mx.dequantize(
-        module.weight, scales, biases, module.group_size, module.bits, mode=mode
-    ).astype(dtype)
+    size, bits = module.group_size, module.bits
+    global_scale = getattr(module, "global_scale", None)
+    if global_scale is not None:  # nvfp4 experts, each with its own (mlx-lm's switch layers)
+        experts = [
+            mx.dequantize(w, s, None, size, bits, mode=mode, global_scale=g, dtype=dtype)
+            for w, s, g in zip(module.weight, scales, global_scale, strict=True)
+        ]
+        return mx.stack(experts)
+    return mx.dequantize(module.weight, scales, biases, size, bits, mode=mode).astype(dtype)
 
 
 def _dense_layer(module: nn.Module, shape: tuple[int, ...]) -> nn.Module:
