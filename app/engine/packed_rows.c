@@ -189,7 +189,7 @@ static struct {
     unsigned started_at[MAX_THREADS]; /* `given[i]` when helper i was started */
     const struct product *product;
     int shares;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER};
+} pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER};
 
 static unsigned next_product(int index, unsigned seen)
 {
