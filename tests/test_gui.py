@@ -76,6 +76,33 @@ def start_long_reply(qtbot, window):
     qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
 
 
+def when_a_box_opens(act, title: str | None = None, kind: type | None = None) -> None:
+    """Once a modal box (titled `title`, of class `kind`, if given) is up and ready,
+    `act(box)`. Another box is left alone: conftest's watchdog closes it and fails
+    the test with its text."""
+    deadline = time.monotonic() + 60  # not on into later tests
+
+    def look() -> None:
+        box = QApplication.activeModalWidget()
+        wanted = (title is None or box.windowTitle() == title) if box is not None else False
+        if not (_ready(box) and wanted and (kind is None or isinstance(box, kind))):
+            if time.monotonic() < deadline:
+                QTimer.singleShot(50, look)
+            return
+        act(box)
+
+    QTimer.singleShot(50, look)
+
+
+def _ready(box) -> bool:
+    """Shown, its default button too: a box looked at while still being shown (a
+    timer can fire inside its show) ignores Enter, and would wait for good."""
+    if box is None or not box.isVisible():
+        return False
+    default = box.defaultButton() if isinstance(box, QMessageBox) else None
+    return default is None or default.isVisible()
+
+
 def wait_reply(qtbot, window):
     """Until the reply is finished and the view shows the stored messages."""
     qtbot.waitUntil(
@@ -451,13 +478,12 @@ def test_a_chat_gets_its_own_system_prompt_from_the_header(qtbot, open_window):
     send(qtbot, window, "Hi", greedy_tokens=4)
     assert window.header.edit.isEnabled()
 
-    def type_and_press_ok() -> None:  # as a user does: type, Tab to OK, Enter
-        dialog = next(w for w in QApplication.topLevelWidgets() if isinstance(w, PromptDialog))
+    def type_and_press_ok(dialog) -> None:  # as a user does: type, Tab to OK, Enter
         qtbot.keyClicks(dialog.text, "Answer in French.")
         qtbot.keyClick(dialog.text, Qt.Key.Key_Tab)
         qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_Return)
 
-    QTimer.singleShot(100, type_and_press_ok)
+    when_a_box_opens(type_and_press_ok, kind=PromptDialog)
     window.header.edit.click()
     qtbot.waitUntil(lambda: "(this chat)" in window.header.label.text(), timeout=5_000)
     assert "Answer in French." in window.header.label.text()

@@ -3,9 +3,9 @@ defaults and which model the chat was made with; the dialog edits them by keyboa
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
-from test_gui import READY_MS, library, open_window, send  # noqa: F401
+from test_gui import READY_MS, library, open_window, send, when_a_box_opens  # noqa: F401
 
 from app.service.preferences import Preferences
 from app.ui.chat_header import ChatHeader
@@ -111,10 +111,7 @@ def test_chat_settings_from_the_header_reach_the_next_turn(qtbot, open_window): 
     send(qtbot, window, "Say hello.", greedy_tokens=20)
     assert window.header.settings.isEnabled()
 
-    def set_by_keyboard() -> None:
-        dialog = next(
-            w for w in QApplication.topLevelWidgets() if isinstance(w, ChatSettingsDialog)
-        )
+    def set_by_keyboard(dialog) -> None:
         box = dialog.boxes["max_tokens"]
         box.setFocus()
         box.lineEdit().selectAll()
@@ -123,7 +120,7 @@ def test_chat_settings_from_the_header_reach_the_next_turn(qtbot, open_window): 
         qtbot.keyClick(dialog.kv_bits, Qt.Key.Key_End)  # 4-bit
         qtbot.keyClick(dialog.kv_bits, Qt.Key.Key_Return)
 
-    QTimer.singleShot(100, set_by_keyboard)
+    when_a_box_opens(set_by_keyboard, kind=ChatSettingsDialog)
     window.header.settings.click()
     qtbot.waitUntil(lambda: "4-bit memory saving" in window.header.label.text(), timeout=5_000)
     assert "Replies up to 3 tokens" in window.header.label.text()

@@ -3,12 +3,18 @@ all listed in the Help menu."""
 
 from __future__ import annotations
 
-import time
-
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QApplication, QInputDialog, QTableWidget
-from test_gui import READY_MS, library, open_window, prefer, send, wait_reply  # noqa: F401
+from test_gui import (  # noqa: F401
+    READY_MS,
+    library,
+    open_window,
+    prefer,
+    send,
+    wait_reply,
+    when_a_box_opens,
+)
 
 from app import __version__
 from app.ui.menus import about_text, shortcut_list
@@ -184,23 +190,6 @@ def test_escape_in_the_search_box_clears_the_search(qtbot, open_window):  # noqa
     qtbot.keyClicks(window.sidebar.search, "lighthouse")
     qtbot.keyClick(window.sidebar.search, Qt.Key.Key_Escape)
     assert window.sidebar.search.text() == ""
-
-
-def when_a_box_opens(act, title: str | None = None) -> None:
-    """Once a modal box (titled `title`, if given) is up, `act(box)`. Another box is
-    left alone: conftest's watchdog closes it and fails the test with its text."""
-
-    deadline = time.monotonic() + 60  # not on into later tests
-
-    def look() -> None:
-        box = QApplication.activeModalWidget()
-        if box is None or (title is not None and box.windowTitle() != title):
-            if time.monotonic() < deadline:
-                QTimer.singleShot(50, look)
-            return
-        act(box)
-
-    QTimer.singleShot(50, look)
 
 
 def answer_the_box(qtbot, press, title: str) -> list:
