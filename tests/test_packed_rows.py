@@ -6,8 +6,11 @@ logits and the replies of its float32 weights."""
 from __future__ import annotations
 
 import os
+import platform
+import sys
 import threading
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -133,7 +136,9 @@ def quantized_tiny(family: str, bits: int):
 @pytest.mark.parametrize("family", ["llama-biases-llama3-rope", "phi3", "qwen3"])
 def test_a_quantized_model_s_steps_give_its_float32_weights_logits(family, bits, monkeypatch):
     """Biases, Phi-3's fused projections read as row ranges, Qwen3's tied output
-    layer (the embedding's codes): each one-row product through the codes."""
+    layer (the embedding's codes): each one-row product through the codes (kept
+    whatever this CPU: the test is of the products, not of the choice)."""
+    monkeypatch.setattr(packed_rows, "faster_here", lambda: True)
     model = quantized_tiny(family, bits)
     calls = []
     product = packed_rows.product
@@ -150,6 +155,8 @@ def test_a_quantized_model_s_steps_give_its_float32_weights_logits(family, bits,
 def test_the_starter_model_replies_the_same_through_its_codes(starter_model, monkeypatch):
     """What a user sees: the same greedy reply whether the decode steps read the
     stored 4- and 8-bit codes or the float32 weights."""
+    if not packed_rows.faster_here():
+        pytest.skip("this CPU keeps float32 products (no AVX2 and FMA for the codes')")
     assert starter_model.model.model.layers[0].mlp.down_proj.packed_weight.bits == 4
     assert starter_model.model.model.embed_tokens.packed_weight.bits == 8
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -172,3 +179,33 @@ def test_codes_and_scales_that_disagree_keep_the_float32_product():
     layer = quantized_layer(8, 128, 4, 32)
     layer.biases = layer.biases[:7]
     assert packed_rows.of_module(layer) is None
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or sys.platform != "linux", reason="reads /proc/cpuinfo"
+)
+def test_codes_are_kept_where_this_cpu_runs_their_fast_build(monkeypatch):
+    """Their portable build is slower than float32 sgemv, so a CPU without AVX2 and FMA
+    keeps float32 products, unless REPRISE_PACKED_ROWS=on; off keeps them anywhere."""
+    flags = next(
+        line.split()
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.startswith("flags")
+    )
+    assert packed_rows.faster_here() == ("avx2" in flags and "fma" in flags)
+    monkeypatch.setattr(packed_rows, "_SWITCH", "on")
+    assert packed_rows.faster_here()
+    monkeypatch.setattr(packed_rows, "enabled", False)
+    assert not packed_rows.faster_here()
+
+
+def test_a_cpu_without_the_fast_build_keeps_float32_products(monkeypatch):
+    """No codes kept (no memory spent on them), every one-row product through sgemv."""
+    monkeypatch.setattr(packed_rows, "faster_here", lambda: False)
+    model = quantized_tiny("qwen3", 4)
+    assert getattr(model.model.layers[0].mlp.down_proj, "packed_weight", None) is None
+    calls = []
+    product = packed_rows.product
+    monkeypatch.setattr(packed_rows, "product", lambda *a: calls.append(1) or product(*a))
+    logits_of_steps(model, list(range(80)), [5, 6], None)
+    assert calls == []

@@ -183,6 +183,7 @@ def _dense_layer(module: nn.Module, shape: tuple[int, ...]) -> nn.Module:
 
 def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
     """Replace quantized layers by dense ones, and cast everything to `dtype`."""
+    keep_codes = dtype == mx.float32 and packed_rows.faster_here()
 
     def dense(_path: str, module: nn.Module) -> nn.Module:
         if not isinstance(module, _QUANTIZED):
@@ -192,8 +193,8 @@ def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
         layer.weight = weight
         if "bias" in module:
             layer.bias = module.bias.astype(dtype)
-        if dtype == mx.float32 and type(layer) in (nn.Linear, nn.Embedding):
-            # kept for the decode step's one-row products (`packed_rows`)
+        if keep_codes and type(layer) in (nn.Linear, nn.Embedding):
+            # for the decode step's one-row products (`packed_rows`)
             layer.packed_weight = packed_rows.of_module(module)
         return layer
 

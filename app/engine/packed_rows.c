@@ -324,3 +324,16 @@ int reprise_packed_gemv(const uint32_t *codes, const float *scales, const float 
 /* The version of the arguments above, for packed_rows.py to check (a stale build
  * beside newer Python is refused). */
 int reprise_packed_abi(void) { return 1; }
+
+/* Whether this CPU runs the clone built for AVX2 and FMA, where the products here
+ * beat float32 sgemv (a decode step 15.9 against 21.2 ms); the portable build took
+ * 27.7 ms where sgemv took 21.7 (each value's shift done one lane at a time). */
+int reprise_packed_fast(void)
+{
+#ifdef VECTOR_CLONES_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}

@@ -12,6 +12,7 @@
  * GCC before 12 has no dispatcher for x86-64-v3 (the file would not build at all,
  * as with Ubuntu 22.04's GCC 11): there the clone uses AVX2 alone. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define VECTOR_CLONES_X86 1
 #if __GNUC__ >= 12
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
