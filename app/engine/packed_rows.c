@@ -10,8 +10,8 @@
  * and multiplied at once, so they are the only weight bytes read from memory.
  *
  * The maths, per group of a row (codes c, scale s, bias b): w.x = s (c.x) + b sum(x).
- * Little-endian packing (mlx's): value i of a row is bits (i % per) * bits of
- * 32-bit word i / per, per = 32 / bits.
+ * Little-endian packing (mlx's): value i of a row is the `bits` bits from bit
+ * (i % per) * bits of the row's 32-bit word i / per, per = 32 / bits.
  *
  * Threads: the rows are shared among `threads` threads, the caller and helpers
  * that wait for the next product, spinning a while, then asleep. One product uses
