@@ -84,8 +84,8 @@ def when_a_box_opens(act, title: str | None = None, kind: type | None = None) ->
 
     def look() -> None:
         box = QApplication.activeModalWidget()
-        wanted = (title is None or box.windowTitle() == title) if box is not None else False
-        if not (_ready(box) and wanted and (kind is None or isinstance(box, kind))):
+        named = _ready(box) and (title is None or box.windowTitle() == title)
+        if not (named and (kind is None or isinstance(box, kind))):
             if time.monotonic() < deadline:
                 QTimer.singleShot(50, look)
             return

@@ -230,21 +230,21 @@ class _Rotation:
         rebuilt[:, columns, columns] += same
         if not np.array_equal(rebuilt, matrices):
             return cls(matrices, None, None, None)
-        return cls(matrices, partner, same[:, None], other[:, None].astype(np.float32))
+        return cls(matrices, partner, same[:, None], other[:, None])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """Rows `x` (rows, heads, dims), each turned as at its position."""
         if self.partner is None:
             return cpu_blas.stacked_matmul(x, self.matrices)
-        out = np.take(
-            x, self.partner, axis=-1, out=np.empty_like(x)
-        )  # C order, as x[..., p] is not
+        # Into a C-ordered array: x[..., partner] is laid out otherwise, and the
+        # attention's compiled products take C-ordered queries only.
+        out = np.take(x, self.partner, axis=-1, out=np.empty_like(x))
         out *= self.other
         out += x * self.same
         return out
 
 
-class _RopeMatrices:
+class _RopeRotations:
     """The rotations of the calls under way, by kind of rope module and positions; a
     few are kept (two sessions may decode at once)."""
 
@@ -263,7 +263,7 @@ class _RopeMatrices:
         return rotation
 
 
-_ROPES = _RopeMatrices()
+_ROPES = _RopeRotations()
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

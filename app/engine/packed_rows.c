@@ -73,86 +73,74 @@ VECTOR_INLINE float lane_sum(v8 v)
     return sum;
 }
 
-/* Group g's sums of rows [first, first + n) into their totals: scaled, and the
- * group's bias times the sum of x over it. */
-VECTOR_INLINE void add_group(const struct product *p, int first, int n, ptrdiff_t g,
-                             const v8 *acc, v8 *total, float *bias)
+/* Group g of rows `rows[0..n)` (n <= ROW_BLOCK) against x: the codes' dot products.
+ * 4 bits: each word's eight values against eight of x, the word in every lane
+ * shifted to its own nibble. 8 bits: eight words (32 values) at once, value j of
+ * each word against x permuted so that those eight values are adjacent (building a
+ * vector of two words, each in four lanes, went through the stack, and each load
+ * waited on the stores before it: 10x slower). */
+VECTOR_INLINE void group_dots(const struct product *p, const uint32_t **rows, int n,
+                              ptrdiff_t g, v8 *acc, const int bits)
 {
-    for (int r = 0; r < n; r++) {
-        ptrdiff_t at = (ptrdiff_t)(first + r) * p->groups + g;
-        total[r] += p->scales[at] * acc[r];
-        bias[r] += p->biases[at] * p->sums[g];
-    }
-}
-
-/* Rows [first, first + n) (n <= ROW_BLOCK), 4 bits: each word's eight values
- * against eight of x, the word in every lane shifted to its own nibble. */
-VECTOR_INLINE void row_block4(const struct product *p, int first, int n)
-{
-    const uint32_t *rows[ROW_BLOCK];
-    v8 total[ROW_BLOCK] = {{0}};
-    float bias[ROW_BLOCK] = {0};
-    for (int r = 0; r < n; r++)
-        rows[r] = p->codes + (ptrdiff_t)(first + r) * p->words;
-    const ptrdiff_t words = p->group / LANES; /* a group's */
-    for (ptrdiff_t g = 0; g < p->groups; g++) {
-        v8 acc[ROW_BLOCK] = {{0}};
+    if (bits == 4) {
+        const ptrdiff_t words = p->group / LANES;
         for (ptrdiff_t k = g * words; k < (g + 1) * words; k++) {
             v8 xv = load8(p->x + k * LANES);
             for (int r = 0; r < n; r++)
                 acc[r] += widen4(rows[r][k]) * xv;
         }
-        add_group(p, first, n, g, acc, total, bias);
+        return;
     }
-    for (int r = 0; r < n; r++)
-        p->y[first + r] = lane_sum(total[r]) + bias[r];
+    const ptrdiff_t loads = p->group / 32; /* eight words each */
+    for (ptrdiff_t k = g * loads; k < (g + 1) * loads; k++) {
+        const float *xs = p->x + k * 32;
+        v8 x0 = load8(xs), x1 = load8(xs + 8), x2 = load8(xs + 16), x3 = load8(xs + 24);
+        for (int r = 0; r < n; r++) {
+            v8u words = load8u(rows[r] + k * LANES);
+            acc[r] += byte_j(words, 0) * x0 + byte_j(words, 1) * x1 + byte_j(words, 2) * x2 +
+                      byte_j(words, 3) * x3;
+        }
+    }
 }
 
-/* The same at 8 bits: eight words (32 values) at once, value j of each word against
- * x as `xs` holds it, permuted so that those eight values are adjacent. (Building
- * a vector of two words, each in four lanes, went through the stack, and each load
- * waited on the stores before it: 10x slower.) */
-VECTOR_INLINE void row_block8(const struct product *p, int first, int n)
+/* Rows [first, first + n) (n <= ROW_BLOCK) at `bits`: per group, the dots scaled,
+ * and the group's bias times the sum of x over it. */
+VECTOR_INLINE void row_block(const struct product *p, int first, int n, const int bits)
 {
     const uint32_t *rows[ROW_BLOCK];
     v8 total[ROW_BLOCK] = {{0}};
     float bias[ROW_BLOCK] = {0};
     for (int r = 0; r < n; r++)
         rows[r] = p->codes + (ptrdiff_t)(first + r) * p->words;
-    const ptrdiff_t loads = p->group / 32; /* a group's, eight words each */
     for (ptrdiff_t g = 0; g < p->groups; g++) {
         v8 acc[ROW_BLOCK] = {{0}};
-        for (ptrdiff_t k = g * loads; k < (g + 1) * loads; k++) {
-            const float *xs = p->x + k * 32;
-            v8 x0 = load8(xs), x1 = load8(xs + 8), x2 = load8(xs + 16), x3 = load8(xs + 24);
-            for (int r = 0; r < n; r++) {
-                v8u words = load8u(rows[r] + k * LANES);
-                acc[r] += byte_j(words, 0) * x0 + byte_j(words, 1) * x1 +
-                          byte_j(words, 2) * x2 + byte_j(words, 3) * x3;
-            }
+        group_dots(p, rows, n, g, acc, bits);
+        for (int r = 0; r < n; r++) {
+            ptrdiff_t at = (ptrdiff_t)(first + r) * p->groups + g;
+            total[r] += p->scales[at] * acc[r];
+            bias[r] += p->biases[at] * p->sums[g];
         }
-        add_group(p, first, n, g, acc, total, bias);
     }
     for (int r = 0; r < n; r++)
         p->y[first + r] = lane_sum(total[r]) + bias[r];
 }
 
-/* n is a constant where the row blocks are inlined: their sums stay in registers. */
+/* n and bits are constants where row_block is inlined: its sums stay in registers. */
 VECTOR_CLONES
 static void product_rows(const struct product *p, int start, int stop)
 {
     int first = start;
     for (; first + ROW_BLOCK <= stop; first += ROW_BLOCK) {
         if (p->bits == 4)
-            row_block4(p, first, ROW_BLOCK);
+            row_block(p, first, ROW_BLOCK, 4);
         else
-            row_block8(p, first, ROW_BLOCK);
+            row_block(p, first, ROW_BLOCK, 8);
     }
     for (; first < stop; first++) {
         if (p->bits == 4)
-            row_block4(p, first, 1);
+            row_block(p, first, 1, 4);
         else
-            row_block8(p, first, 1);
+            row_block(p, first, 1, 8);
     }
 }
 
@@ -306,7 +294,7 @@ int reprise_packed_gemv(const uint32_t *codes, const float *scales, const float 
             sum += x[g * group + i];
         sums[g] = sum;
     }
-    if (bits == 8) /* row_block8's order: per 32 values, value 4l + j at 8j + l */
+    if (bits == 8) /* group_dots' order: per 32 values, value 4l + j at 8j + l */
         for (int at = 0; at < columns; at += 32)
             for (int l = 0; l < LANES; l++)
                 for (int j = 0; j < 4; j++)

@@ -109,13 +109,12 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 def product(weight: PackedWeight, row: np.ndarray, threads: int = 1) -> np.ndarray:
     """`W @ row` for one float32 row of the weight's columns, its rows shared among
     `threads` threads (at most the cores this process may use)."""
-    rows, columns = weight.shape
+    codes, scales, biases, rows, groups, group, bits = weight._arguments
     if row.dtype != np.float32 or not row.flags.c_contiguous:
         row = np.ascontiguousarray(row, np.float32)
-    if row.shape != (columns,):
+    if row.shape != (groups * group,):
         raise ValueError(f"a row of {row.shape} for a weight of {weight.shape}")
     out = np.empty(rows, dtype=np.float32)
-    codes, scales, biases, rows, groups, group, bits = weight._arguments
     threads = max(1, min(threads, _CORES or 1))
     done = _load().reprise_packed_gemv(
         codes, scales, biases, _address(row), rows, groups, group, bits, _address(out), threads
@@ -126,7 +125,8 @@ def product(weight: PackedWeight, row: np.ndarray, threads: int = 1) -> np.ndarr
 
 
 def usable(weight: PackedWeight | None) -> bool:
-    return weight is not None and enabled and available()
+    """A layer has codes only where `faster_here` found the library at its load."""
+    return weight is not None and enabled
 
 
 def available() -> bool:
@@ -145,10 +145,11 @@ def faster_here() -> bool:
 
 def _load() -> ctypes.CDLL | None:
     global _library, _tried
-    with _loading:  # a second thread must not see it tried and not yet there
-        if not _tried:
-            _library = _open()
-            _tried = True
+    if not _tried:  # `_tried` is set last: once it is, `_library` is final
+        with _loading:  # a second thread must not see it tried and not yet there
+            if not _tried:
+                _library = _open()
+                _tried = True
     return _library
 
 
