@@ -209,3 +209,42 @@ def test_a_cpu_without_the_fast_build_keeps_float32_products(monkeypatch):
     monkeypatch.setattr(packed_rows, "product", lambda *a: calls.append(1) or product(*a))
     logits_of_steps(model, list(range(80)), [5, 6], None)
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    "family", ["sliding", "hybrid-qwen3-next", "hybrid-granite", "mla", "chunked", "cachelist"]
+)
+def test_every_family_quantized_decodes_as_through_its_float32_weights(
+    family, starter_model_dir, tmp_path, monkeypatch
+):
+    """Sliding-window, hybrid, MLA, chunked and CacheList models, quantized, loaded as
+    the CPU path loads them: their one-row products go through the codes, and each
+    step's logits are those of the float32 weights."""
+    import json
+
+    import families
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setattr(packed_rows, "faster_here", lambda: True)
+    folder = families.build(family, starter_model_dir, tmp_path)
+    model = loading.load(folder, compute="stored").model
+    # The layers whose codes the products read (MLA's own stacked layers stay dense).
+    nn.quantize(model, 32, 4, class_predicate=lambda _, m: type(m) in (nn.Linear, nn.Embedding))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    model = loading.load(folder, compute="dense").model
+    assert any(getattr(m, "packed_weight", None) for _, m in model.named_modules())
+
+    def steps() -> np.ndarray:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([list(range(5, 90))]), cache=cache))
+        return np.concatenate([np.array(model(mx.array([[t]]), cache=cache)) for t in (7, 8, 9)])
+
+    got = steps()
+    monkeypatch.setattr(packed_rows, "enabled", False)
+    want = steps()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
