@@ -9,6 +9,7 @@ between tokens.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -205,7 +206,7 @@ class EngineWorker(QObject):
         `before` (0: none) counts the chat only up to that message, as an edit sends it."""
         cid = None if conversation_id == NEW_CONVERSATION else conversation_id
         until = before or None
-        self._attempt(
+        self._in_passing(
             "Counting tokens",
             lambda: self.context_counted.emit(self.service().context_use(cid, draft, until)),
         )
@@ -221,7 +222,20 @@ class EngineWorker(QObject):
         def restore() -> None:
             self.prefetched.emit(conversation_id, self.service().prefetch(conversation_id))
 
-        self._attempt("Restoring the saved cache", restore)
+        self._in_passing("Restoring the saved cache", restore)
+
+    def _in_passing(self, what: str, task: Callable[[], object]) -> None:
+        """A request the window makes in passing (a count a moment after typing, a
+        restore on selection): for a chat or message deleted since it was asked there
+        is nothing to do, and nothing to tell the user (a box said 'No conversation 1'
+        after the open chat was deleted)."""
+        from sessions.conversations import NotFound
+
+        def unless_gone() -> None:
+            with contextlib.suppress(NotFound):
+                task()
+
+        self._attempt(what, unless_gone)
 
     def _run(self, start: Callable[[], Iterator]) -> None:
         self._stop.clear()

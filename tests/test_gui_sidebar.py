@@ -161,3 +161,22 @@ def test_a_chat_clicked_in_the_list_is_ready_to_type_into(qtbot, open_window):  
     qtbot.mouseClick(window.sidebar.list.viewport(), Qt.MouseButton.LeftButton, pos=where)
     qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
     assert QApplication.focusWidget() is window.composer.edit
+
+
+def test_a_count_or_restore_asked_for_a_chat_just_deleted_says_nothing(qtbot, open_window):  # noqa: F811
+    """The window asks for the context count a moment after typing, and for a
+    restore on selection; a chat deleted in between is no error for the user (CI
+    found 'No conversation 1' in a box after deleting the open chat)."""
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=4)
+    chat = window.conversation_id
+    with qtbot.waitSignal(window.engine.worker.changed, timeout=10_000):
+        window.delete_requested.emit(chat)
+    failed = []
+    window.engine.worker.failed.connect(failed.append)
+    window.engine.worker.select(chat)  # as if it were still on screen
+    window.prefetch_requested.emit(chat)
+    window.context_requested.emit(chat, "draft", 0)
+    with qtbot.waitSignal(window.engine.worker.context_counted, timeout=10_000):
+        window.context_requested.emit(0, "", 0)  # after the two: they have been served
+    assert failed == []
