@@ -77,6 +77,31 @@ def no_box_left_open(request):
         pytest.fail("a box nobody answered: " + "; ".join(left_open))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A Qt wait that timed out gets every thread's stack in its report, taken at once:
+    a worker stuck somewhere is still there (CI stop 29 waited 120 s for a reply that
+    never streamed, and said nothing of where)."""
+    report = yield
+    if call.excinfo is not None and call.excinfo.typename == "TimeoutError":
+        report.sections.append(("threads when the wait timed out", _thread_stacks()))
+    return report
+
+
+def _thread_stacks() -> str:
+    """The other threads' innermost frames (the test's own is in the report already)."""
+    import threading
+    import traceback
+
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return "\n".join(
+        f"--- {names.get(ident, f'thread {ident}')}\n"
+        + "".join(traceback.format_stack(frame)[-15:])
+        for ident, frame in sys._current_frames().items()
+        if ident != threading.main_thread().ident
+    )
+
+
 @pytest.fixture(params=["mlx reads", "read ahead"])
 def reading(request, monkeypatch):
     """Both ways a restore reads cache files: mlx's loader into its memory (the CPU, Apple

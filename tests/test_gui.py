@@ -73,7 +73,16 @@ def start_long_reply(qtbot, window):
     prefer(window, max_tokens=2000)
     window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
     window.composer.edit.submitted.emit()
-    qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
+    wait_streaming(qtbot, window)
+
+
+def wait_streaming(qtbot, window, chars: int = 20):
+    """Until the reply on screen has `chars` characters; a reply that ended before
+    (stored, and the view shows it) fails at once, saying what it was."""
+    reply = lambda: window.chat.messages[-1]  # noqa: E731  (the view's list is replaced)
+    over = lambda: reply().id > 0 and not window.generating  # noqa: E731
+    qtbot.waitUntil(lambda: len(reply().content) > chars or over(), timeout=READY_MS)
+    assert len(reply().content) > chars, f"the reply ended: {reply().state} {reply().content!r}"
 
 
 def when_a_box_opens(act, title: str | None = None, kind: type | None = None) -> None:

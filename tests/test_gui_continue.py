@@ -3,7 +3,15 @@ figures are the streaming reply's own, and go when the view changes."""
 
 from __future__ import annotations
 
-from test_gui import READY_MS, library, open_window, prefer, send, wait_reply  # noqa: F401
+from test_gui import (  # noqa: F401
+    READY_MS,
+    library,
+    open_window,
+    prefer,
+    send,
+    wait_reply,
+    wait_streaming,
+)
 
 from app.ui.render import action_href
 
@@ -38,7 +46,7 @@ def test_a_stopped_reply_can_be_continued_or_regenerated(qtbot, open_window):  #
     prefer(window, max_tokens=2000)
     window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
     window.composer.edit.submitted.emit()
-    qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
+    wait_streaming(qtbot, window)
     window.composer.button.click()  # Stop
     wait_reply(qtbot, window)
     stopped = window.chat.messages[-1]

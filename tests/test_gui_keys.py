@@ -13,6 +13,7 @@ from test_gui import (  # noqa: F401
     prefer,
     send,
     wait_reply,
+    wait_streaming,
     when_a_box_opens,
 )
 
@@ -46,7 +47,7 @@ def test_escape_stops_a_reply(qtbot, open_window):  # noqa: F811
     prefer(window, max_tokens=2000)
     window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
     qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
-    qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
+    wait_streaming(qtbot, window)
     qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
     wait_reply(qtbot, window)
     assert window.store.get(window.conversation_id).messages[-1].state == "cancelled"
@@ -140,7 +141,7 @@ def test_escape_stops_a_reply_wherever_focus_is(qtbot, open_window):  # noqa: F8
     for place in (window.chat, window.sidebar.list, window.sidebar.search):
         window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
         qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
-        qtbot.waitUntil(lambda: len(window.chat.messages[-1].content) > 20, timeout=READY_MS)
+        wait_streaming(qtbot, window)
         place.setFocus()
         qtbot.waitUntil(place.hasFocus, timeout=5_000)
         qtbot.keyClick(place, Qt.Key.Key_Escape)

@@ -20,6 +20,7 @@
  */
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -268,8 +269,13 @@ static int shared(const struct product *p, int threads)
     for (int i = 1; i < pool.shares; i++)
         pthread_cond_signal(&pool.wake[i]);
     product_share(p, 0, pool.shares);
-    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0)
-        relax();
+    /* A helper not running (more threads than free cores: the window's, OpenBLAS's)
+     * is given the core after a while, not spun against for a whole time slice. */
+    for (int spin = 0; atomic_load_explicit(&pool.pending, memory_order_acquire) > 0; spin++)
+        if (spin < SPIN)
+            relax();
+        else
+            sched_yield();
     pthread_mutex_unlock(&pool.busy);
     return 1;
 }
