@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from app.engine import last_row
 from app.engine.generation import SamplingSettings
 
 # Tokens per prefill step: large enough for fast matmuls, small enough that
@@ -71,13 +72,15 @@ def make_next_token(
     """One decode step: feed a token (or the last prompt token) and sample the next.
     `history` is read for the repetition penalty (the caller keeps it current)."""
     sampler = make_sampler(sampling.temperature, sampling.top_p, sampling.min_p)
+    last_row.install(model)  # once per model; the rows before the last get no logits
     penalty = sampling.repetition_penalty if sampling.repetition_penalty != 1.0 else None
     processors = make_logits_processors(
         repetition_penalty=penalty, repetition_context_size=PENALTY_WINDOW
     )
 
     def next_token(inputs: mx.array) -> mx.array:
-        logits = model(inputs[None], cache=cache)[:, -1, :]
+        with last_row.only_last_row(model):
+            logits = model(inputs[None], cache=cache)[:, -1, :]
         quantize(cache)
         if processors:
             recent = mx.array(history[-PENALTY_WINDOW:])
