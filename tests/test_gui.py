@@ -70,7 +70,7 @@ def send(qtbot, window, text, greedy_tokens=40):
 
 def start_long_reply(qtbot, window):
     """Ask for a long story and wait until it is streaming."""
-    prefer(window, max_tokens=2000)
+    prefer(window, temperature=0.0, max_tokens=2000)  # greedy: the same long story each run
     window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
     window.composer.edit.submitted.emit()
     wait_streaming(qtbot, window)

@@ -43,7 +43,7 @@ def test_a_cut_reply_is_marked_and_continues_in_place(qtbot, open_window):  # no
 
 def test_a_stopped_reply_can_be_continued_or_regenerated(qtbot, open_window):  # noqa: F811
     window = open_window()
-    prefer(window, max_tokens=2000)
+    prefer(window, temperature=0.0, max_tokens=2000)  # greedy: the same long story each run
     window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
     window.composer.edit.submitted.emit()
     wait_streaming(qtbot, window)
