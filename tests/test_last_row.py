@@ -68,3 +68,23 @@ def test_a_model_without_a_known_backbone_is_left_as_it_is():
     assert not last_row.install(model)
     with last_row.only_last_row(model):
         assert model(mx.zeros((1, 3, 4))).shape == (1, 3, 4)
+
+
+def test_contexts_nest_and_other_threads_get_every_row(starter_model):
+    """Perplexity on another thread, or a context opened inside another, is not cut
+    to one row by a turn's context."""
+    import threading
+
+    model = starter_model.model
+    last_row.install(model)
+    tokens = mx.array(MESSAGE)[None]
+    seen = []
+    with last_row.only_last_row(model):
+        with last_row.only_last_row(model):
+            pass
+        seen.append(model(tokens).shape[1])  # still inside the outer one
+        thread = threading.Thread(target=lambda: seen.append(model(tokens).shape[1]))
+        thread.start()
+        thread.join()
+    seen.append(model(tokens).shape[1])
+    assert seen == [1, len(MESSAGE), len(MESSAGE)]

@@ -18,25 +18,35 @@ row is computed as before (perplexity needs them all).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 
 _SUBCLASSES: dict[type, type] = {}
+# Per thread: how many `only_last_row` contexts are open, by backbone (a model shared
+# with another thread keeps giving that thread every row).
+_open = threading.local()
 
 
-def _last_row_call(self, *args, **kwargs):
-    out = super(type(self), self).__call__(*args, **kwargs)
-    if self.__dict__.get("_last_row_only") and isinstance(out, mx.array) and out.ndim == 3:
-        return out[:, -1:]
-    return out
+def _depths() -> dict[int, int]:
+    if not hasattr(_open, "depths"):
+        _open.depths = {}
+    return _open.depths
 
 
 def _subclass(backbone_class: type) -> type:
     if backbone_class not in _SUBCLASSES:
+
+        def call(self, *args, **kwargs):
+            out = backbone_class.__call__(self, *args, **kwargs)
+            if _depths().get(id(self)) and isinstance(out, mx.array) and out.ndim == 3:
+                return out[:, -1:]
+            return out
+
         name = f"LastRow{backbone_class.__name__}"
-        _SUBCLASSES[backbone_class] = type(name, (backbone_class,), {"__call__": _last_row_call})
+        _SUBCLASSES[backbone_class] = type(name, (backbone_class,), {"__call__": call})
     return _SUBCLASSES[backbone_class]
 
 
@@ -61,14 +71,15 @@ def install(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def only_last_row(model: nn.Module) -> Iterator[None]:
-    """Calls of `model` inside give the last row's logits only (shape (batch, 1, vocab))
-    where `install` found its backbone; elsewhere all rows, as always."""
+    """Calls of `model` on this thread inside give the last row's logits only (shape
+    (batch, 1, vocab)) where `install` found its backbone; elsewhere all rows."""
     backbone = _backbone(model)
-    installed = type(backbone) in _SUBCLASSES.values()
-    if installed:
-        backbone._last_row_only = True
+    if type(backbone) not in _SUBCLASSES.values():
+        yield
+        return
+    depths, key = _depths(), id(backbone)
+    depths[key] = depths.get(key, 0) + 1
     try:
         yield
     finally:
-        if installed:
-            backbone._last_row_only = False
+        depths[key] -= 1
