@@ -189,11 +189,12 @@ def gemv(weight: np.ndarray, row: np.ndarray) -> np.ndarray:
 
 
 def row_product(
-    weight: np.ndarray, row: np.ndarray, packed: packed_rows.PackedWeight | None = None
+    weight: np.ndarray | None, row: np.ndarray, packed: packed_rows.PackedWeight | None = None
 ) -> np.ndarray:
     """`weight @ row`: through the weight as stored where the layer was quantized
-    (`packed_rows`, on this turn's threads), else sgemv on the float32 weight."""
-    if packed_rows.usable(packed):
+    (`packed_rows`, on this turn's threads), else sgemv on the float32 weight (None:
+    the layer keeps only its codes)."""
+    if packed is not None and (weight is None or packed_rows.usable(packed)):
         return packed_rows.product(packed, row, threads() or 1)
     return gemv(weight, row)
 

@@ -47,14 +47,29 @@ enabled = os.environ.get("REPRISE_CPU_LAYERS", "on") != "off"
 # per-operation cost is small beside them.
 MAX_ROWS = 64
 
-_LINEAR = (nn.Linear, cpu_blas.RowLinear)
+_LINEAR = (nn.Linear, cpu_blas.RowLinear, nn.QuantizedLinear)
 
 
 @dataclass(frozen=True)
 class Projection:
-    weight: np.ndarray  # (outputs, inputs) float32
+    weight: np.ndarray | None  # (outputs, inputs) float32; None: only its codes are kept
     bias: np.ndarray | None
     packed: packed_rows.PackedWeight | None  # the weight as stored, where quantized
+
+    @property
+    def rows(self) -> int:
+        return self.weight.shape[0] if self.weight is not None else self.packed.shape[0]
+
+    @property
+    def columns(self) -> int:
+        return self.weight.shape[1] if self.weight is not None else self.packed.shape[1]
+
+    @property
+    def usable(self) -> bool:
+        """A float32 weight laid out as sgemv reads it, or codes the C reads."""
+        if self.weight is None:
+            return self.packed is not None and packed_rows.enabled
+        return self.weight.flags.c_contiguous
 
 
 @dataclass
@@ -67,6 +82,12 @@ class _Weights:
     activation: str  # of the MLP's gate: "silu" or "gelu_approx"
     rope_key: bytes
 
+    @property
+    def codes_only(self) -> bool:
+        """Some projection keeps only its codes: every call comes here, whatever its
+        rows (mlx's own layer would multiply by them at a fraction of BLAS's speed)."""
+        return any(p.weight is None for p in self.projections.values())
+
 
 def _view(array: mx.array) -> np.ndarray:
     """A read-only numpy view of an evaluated mlx array's buffer (nothing here may
@@ -78,6 +99,8 @@ def _view(array: mx.array) -> np.ndarray:
 
 def _linear(module: nn.Module) -> Projection:
     bias = _view(module["bias"]) if "bias" in module else None
+    if isinstance(module, nn.QuantizedLinear):  # the codes path: its codes, no float32 copy
+        return Projection(None, bias, packed_rows.of_module(module))
     return Projection(_view(module["weight"]), bias, getattr(module, "packed_weight", None))
 
 
@@ -93,7 +116,7 @@ def _rows(module: nn.Module, *sizes: int) -> list[Projection]:
     """A fused projection's parts, top to bottom: views of row ranges (contiguous)."""
     whole = _linear(module)
     cuts = np.cumsum(sizes)[:-1]
-    parts = np.split(whole.weight, cuts)
+    parts = np.split(whole.weight, cuts) if whole.weight is not None else [None] * len(sizes)
     biases = np.split(whole.bias, cuts) if whole.bias is not None else [None] * len(parts)
     packed = whole.packed.split(list(sizes)) if whole.packed else [None] * len(parts)
     return [Projection(*p) for p in zip(parts, biases, packed, strict=True)]
@@ -129,10 +152,11 @@ def _phi3(block: nn.Module) -> tuple[dict, dict, str]:
     q_size = attention.n_heads * attention.head_dim
     kv_size = attention.n_kv_heads * attention.head_dim
     q, k, v = _rows(attention.qkv_proj, q_size, kv_size, kv_size)
-    hidden = mlp.down_proj.weight.shape[1]
+    down = _linear(mlp.down_proj)
+    hidden = down.columns
     gate, up = _rows(mlp.gate_up_proj, hidden, hidden)
     projections = {"q": q, "k": k, "v": v, "o": _linear(attention.o_proj), "gate": gate, "up": up}
-    projections["down"] = _linear(mlp.down_proj)
+    projections["down"] = down
     norms = {
         "input": _norm(block.input_layernorm),
         "pre_mlp": _norm(block.post_attention_layernorm),
@@ -188,17 +212,17 @@ def _rope_key(rope: nn.Module, dims: int) -> bytes:
 
 
 def _weights(block: nn.Module) -> _Weights | None:
-    """The block's arrays, or None where it keeps mlx's layers: not all float32, or
-    laid out otherwise than sgemv reads."""
+    """The block's arrays, or None where it keeps mlx's layers: not all float32 (or
+    the codes of the codes path), or laid out otherwise than the products read."""
     arrays = [v for _, v in tree_flatten(block.parameters())]
-    if any(a.dtype != mx.float32 for a in arrays):
+    if any(a.dtype not in (mx.float32, mx.uint32) for a in arrays):
         return None
     mx.eval(arrays)
     projections, norms, activation = LAYOUTS[type(block)](block)
-    if not projections or not all(p.weight.flags.c_contiguous for p in projections.values()):
+    if not projections or not all(p.usable for p in projections.values()):
         return None
     attention = block.self_attn
-    head_dim = projections["q"].weight.shape[0] // attention.n_heads
+    head_dim = projections["q"].rows // attention.n_heads
     return _Weights(projections, norms, activation, _rope_key(attention.rope, head_dim))
 
 
@@ -284,7 +308,8 @@ def _product(weights: _Weights, name: str, x: np.ndarray) -> np.ndarray:
     if len(x) == 1:
         out = cpu_blas.row_product(p.weight, x[0], p.packed)[None]
     else:
-        out = cpu_blas.matmul(x, p.weight.T)
+        weight = p.weight if p.weight is not None else packed_rows.widened(p.packed)
+        out = cpu_blas.matmul(x, weight.T)
     return out if p.bias is None else np.add(out, p.bias, out=out)
 
 
@@ -333,10 +358,12 @@ def _mlp(weights: _Weights, x: np.ndarray) -> np.ndarray:
     return _product(weights, "down", gate)
 
 
-def _row_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
+def _row_call(self, base: type, x: mx.array, mask=None, cache=None) -> mx.array:
     weights = self.__dict__.get("_row_weights")
-    if not (enabled and cpu_blas.enabled and weights and cache is not None and _few_rows(x)):
-        return super(type(self), self).__call__(x, mask, cache)
+    if not (enabled and cpu_blas.enabled and weights and cache is not None):
+        return base.__call__(self, x, mask, cache)
+    if not _few_rows(x, weights.codes_only):
+        return base.__call__(self, x, mask, cache)
     mx.eval(x)
     rows = np.asarray(x)[0]
     r = _attention(self, weights, _norm_rows(rows, weights, "input"), mask, cache)
@@ -350,8 +377,9 @@ def _row_call(self, x: mx.array, mask=None, cache=None) -> mx.array:
     return mx.array(h[None])
 
 
-def _few_rows(x: mx.array) -> bool:
-    return x.ndim == 3 and x.shape[0] == 1 and x.shape[1] <= MAX_ROWS and x.dtype == mx.float32
+def _few_rows(x: mx.array, any_count: bool = False) -> bool:
+    rows_here = any_count or x.shape[1] <= MAX_ROWS
+    return x.ndim == 3 and x.shape[0] == 1 and rows_here and x.dtype == mx.float32
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -359,9 +387,26 @@ _SUBCLASSES: dict[type, type] = {}
 
 def _row_class(block_class: type) -> type:
     if block_class not in _SUBCLASSES:
+
+        def call(self, x: mx.array, mask=None, cache=None) -> mx.array:
+            return _row_call(self, block_class, x, mask, cache)
+
         name = f"Row{block_class.__name__}"
-        _SUBCLASSES[block_class] = type(name, (block_class,), {"__call__": _row_call})
+        _SUBCLASSES[block_class] = type(name, (block_class,), {"__call__": call})
     return _SUBCLASSES[block_class]
+
+
+def codes_layers(model: nn.Module) -> frozenset[str]:
+    """The paths of the quantized projections of `model`'s known blocks whose codes
+    the products read: on the codes path they stay as stored (their scales in
+    float32), and no float32 copy of them is made."""
+    return frozenset(
+        f"{name}.{inner}"
+        for name, block in model.named_modules()
+        if type(block) in LAYOUTS
+        for inner, module in block.named_modules()
+        if isinstance(module, nn.QuantizedLinear) and packed_rows.readable(module)
+    )
 
 
 def install(model: nn.Module) -> int:

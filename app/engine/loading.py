@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -38,6 +39,7 @@ class ComputePath:
     blas: str  # "openblas", "accelerate", "reference"
     weights: str  # "float32 (dequantized)", "as stored (4-bit)", ...
     note: str
+    codes: bool = False  # float32 compute, the known layers' projections kept as codes
 
     def describe(self) -> str:
         return f"{self.device}, {self.weights}, BLAS: {self.blas}"
@@ -78,8 +80,11 @@ class ModelLoadError(UserError):
 def load(path: Path, compute: str = "auto") -> LoadedModel:
     """Load the model folder at `path`.
 
-    `compute` is "auto" (dequantize on CPU when it fits), "dense" (always
-    dequantize) or "stored" (run the weights as stored).
+    `compute` is "auto" (dequantize on CPU when it fits, else the codes path where
+    it fits, else as stored), "dense" (always dequantize), "codes" (compute in
+    float32, the projections of the layers `cpu_layers` knows kept as their codes,
+    widened one at a time for a product of many rows) or "stored" (run the weights
+    as stored).
     """
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -91,7 +96,7 @@ def load(path: Path, compute: str = "auto") -> LoadedModel:
         raise ModelLoadError(f"The model in {path} could not be loaded: {exc}") from exc
     chosen = _choose_compute(model, compute)
     if chosen.weights.startswith("float32"):
-        _dequantize(model, mx.float32)
+        _dequantize(model, mx.float32, cpu_layers.codes_layers(model) if chosen.codes else ())
     mx.eval(model.parameters())
     if chosen.weights.startswith("float32") and cpu_blas.available():
         cpu_blas.install(model)
@@ -111,11 +116,17 @@ def _choose_compute(model: nn.Module, compute: str) -> ComputePath:
         return ComputePath(device, blas.CHOICE.name, "float32", blas.CHOICE.note)
     dense_bytes = 4 * _parameter_count(model)
     budget = _DENSE_MEMORY_SHARE * _physical_memory()
-    if compute == "auto" and dense_bytes > budget:
-        note = (
+    if compute == "codes" or (compute == "auto" and dense_bytes > budget):
+        codes_bytes = _codes_path_bytes(model)
+        too_big = (
             f"float32 weights would take {dense_bytes / 2**30:.1f} GiB, more than "
-            f"{_DENSE_MEMORY_SHARE:.0%} of memory; running {stored} weights (slow on CPU)"
+            f"{_DENSE_MEMORY_SHARE:.0%} of memory"
         )
+        if compute == "codes" or (packed_rows.faster_here() and codes_bytes <= budget):
+            weights = f"float32, its layers as {stored} codes"
+            note = f"{too_big}; the layers' weights stay as stored" if compute == "auto" else ""
+            return ComputePath(device, blas.CHOICE.name, weights, note or blas.CHOICE.note, True)
+        note = f"{too_big}; running {stored} weights (slow on CPU)"
         return ComputePath(device, blas.CHOICE.name, f"as stored ({stored})", note)
     how = "dequantized" if stored.endswith("-bit") else "converted"
     return ComputePath(device, blas.CHOICE.name, f"float32 ({how} from {stored})", blas.CHOICE.note)
@@ -139,6 +150,18 @@ def _parameter_count(model: nn.Module) -> int:
             total += module.weight.size * 32 // module.bits
         elif not module.children():
             total += sum(v.size for _, v in tree_flatten(module.parameters()))
+    return total
+
+
+def _codes_path_bytes(model: nn.Module) -> int:
+    """The weights' bytes on the codes path: the known layers' codes with float32
+    scales and biases, everything else in float32."""
+    kept = cpu_layers.codes_layers(model)
+    total = 4 * _parameter_count(model)
+    for name, module in model.named_modules():
+        if name in kept:
+            total += module.weight.nbytes + 4 * 2 * module.scales.size
+            total -= 4 * module.weight.size * 32 // module.bits
     return total
 
 
@@ -181,12 +204,13 @@ def _dense_layer(module: nn.Module, shape: tuple[int, ...]) -> nn.Module:
     return nn.Linear(shape[1], shape[0], bias=bias)
 
 
-def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
-    """Replace quantized layers by dense ones, and cast everything to `dtype`."""
+def _dequantize(model: nn.Module, dtype: mx.Dtype, codes_only: Collection[str] = ()) -> None:
+    """Replace quantized layers by dense ones, and cast everything to `dtype`. The
+    layers at the paths `codes_only` stay quantized (their scales and biases cast)."""
     keep_codes = dtype == mx.float32 and packed_rows.faster_here()
 
-    def dense(_path: str, module: nn.Module) -> nn.Module:
-        if not isinstance(module, _QUANTIZED):
+    def dense(path: str, module: nn.Module) -> nn.Module:
+        if not isinstance(module, _QUANTIZED) or path in codes_only:
             return module
         weight = _dense_weight(module, dtype)
         layer = _dense_layer(module, weight.shape)
@@ -200,4 +224,9 @@ def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
 
     leaves = tree_map_with_path(dense, model.leaf_modules(), is_leaf=nn.Module.is_module)
     model.update_modules(leaves)
-    model.update(tree_map_with_path(lambda _p, v: v.astype(dtype), model.parameters()))
+    model.update(tree_map_with_path(lambda _p, v: _cast(v, dtype), model.parameters()))
+
+
+def _cast(value: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Floating arrays to `dtype`; a quantized layer's codes as they are."""
+    return value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value

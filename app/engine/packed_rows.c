@@ -28,6 +28,10 @@
 
 #include "vector8.h"
 
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "mlx packs its codes little-endian; so does the reading here"
+#endif
+
 #define MAX_THREADS 16
 #define ROW_BLOCK 4 /* rows multiplied together: each x chunk loaded once for them */
 /* Polls by a helper before it sleeps (about 0.1 ms): the gaps between a layer's
@@ -315,9 +319,43 @@ int reprise_packed_gemv(const uint32_t *codes, const float *scales, const float 
     return 1;
 }
 
+/* Rows [start, stop) of W widened to float32, out (rows, groups * group): where a
+ * model keeps only its codes, a product of many rows runs through BLAS on this
+ * (a scratch reused per product), one layer's weight at a time. */
+VECTOR_CLONES
+static void widen_rows(const struct product *p, int start, int stop, float *out)
+{
+    const ptrdiff_t columns = (ptrdiff_t)p->groups * p->group;
+    for (ptrdiff_t r = start; r < stop; r++) {
+        const uint32_t *row = p->codes + r * p->words;
+        float *o = out + r * columns;
+        for (ptrdiff_t g = 0; g < p->groups; g++) {
+            const float s = p->scales[r * p->groups + g], b = p->biases[r * p->groups + g];
+            const ptrdiff_t first = g * p->group;
+            if (p->bits == 4) {
+                for (ptrdiff_t k = first / 8; k < (first + p->group) / 8; k++)
+                    store8(o + 8 * k, widen4(row[k]) * s + b);
+            } else { /* little-endian: value i of a row is its byte i */
+                const uint8_t *bytes = (const uint8_t *)row;
+                for (ptrdiff_t i = first; i < first + p->group; i++)
+                    o[i] = (float)bytes[i] * s + b;
+            }
+        }
+    }
+}
+
+/* W as float32 into `out` (rows, groups * group), the rows shared like a product's. */
+void reprise_packed_widen(const uint32_t *codes, const float *scales, const float *biases,
+                          int rows, int groups, int group, int bits, float *out)
+{
+    struct product p = {codes, scales, biases, NULL, NULL, rows, groups * group * bits / 32,
+                        groups, group, bits, NULL};
+    widen_rows(&p, 0, rows, out);
+}
+
 /* The version of the arguments above, for packed_rows.py to check (a stale build
  * beside newer Python is refused). */
-int reprise_packed_abi(void) { return 1; }
+int reprise_packed_abi(void) { return 2; }
 
 /* Whether this CPU runs the clone built for AVX2 and FMA, where the products here
  * beat float32 sgemv (a decode step 15.9 against 21.2 ms); the portable build took

@@ -28,13 +28,14 @@ import numpy as np
 
 _SWITCH = os.environ.get("REPRISE_PACKED_ROWS", "auto")  # "auto", "on" or "off"
 enabled = _SWITCH != "off"
-ABI = 1  # packed_rows.c's reprise_packed_abi()
+ABI = 2  # packed_rows.c's reprise_packed_abi()
 _P, _INT = ctypes.c_void_p, ctypes.c_int
 _library: ctypes.CDLL | None = None
 _tried = False
 _loading = threading.Lock()
 # More threads than the cores this process may run on only wait for each other.
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+_scratch = threading.local()  # each thread's buffer for `widened`
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,11 @@ class PackedWeight:
     group: int
 
     def __post_init__(self) -> None:
+        # The C reads what these say, and no more: nothing unchecked reaches it.
+        if not _packing_read(self.bits, self.group):
+            raise ValueError(f"no products of {self.bits}-bit codes in groups of {self.group}")
+        if not _laid_out(self.codes, self.scales, self.biases, self.bits, self.group):
+            raise ValueError("codes, scales and biases that do not describe one weight")
         # What every product passes first, worked out once (numpy's `.ctypes` takes
         # microseconds a call, and a decode step makes 211 of them).
         pointers = [_address(a) for a in (self.codes, self.scales, self.biases)]
@@ -68,11 +74,22 @@ class PackedWeight:
         return [PackedWeight(c, s, b, self.bits, self.group) for c, s, b in parts]
 
 
+def readable(module: nn.Module) -> bool:
+    """Whether a quantized layer's packing is one `product` reads (affine, 4 or 8 bits,
+    groups of a multiple of 8 or 32)."""
+    if getattr(module, "mode", "affine") != "affine" or "biases" not in module:
+        return False
+    return _packing_read(module.bits, module.group_size)
+
+
+def _packing_read(bits: int, group: int) -> bool:
+    """4 bits in groups of a multiple of 8 values (a word each), 8 bits of 32."""
+    return bits in (4, 8) and group > 0 and group % (8 if bits == 4 else 32) == 0
+
+
 def of_module(module: nn.Module) -> PackedWeight | None:
     """A quantized linear or embedding layer's weight, where `product` reads it."""
-    if getattr(module, "mode", "affine") != "affine" or "biases" not in module:
-        return None
-    if module.bits not in (4, 8) or module.group_size % (8 if module.bits == 4 else 32):
+    if not readable(module):
         return None
     mx.eval(module.weight, module.scales, module.biases)
     codes = _read_only(np.asarray(module.weight))  # mlx's buffer, kept alive by the view
@@ -89,6 +106,7 @@ def _laid_out(codes, scales, biases, bits: int, group: int) -> bool:
     every array contiguous (the shapes come from a model's files)."""
     return (
         codes.dtype == np.uint32
+        and scales.dtype == biases.dtype == np.float32
         and codes.ndim == scales.ndim == 2
         and scales.shape == biases.shape
         and codes.shape[0] == scales.shape[0]
@@ -121,6 +139,20 @@ def product(weight: PackedWeight, row: np.ndarray, threads: int = 1) -> np.ndarr
     )
     if not done:
         raise MemoryError("no memory for a row's scratch")
+    return out
+
+
+def widened(weight: PackedWeight) -> np.ndarray:
+    """The weight in float32 (rows, columns), in this thread's scratch: valid until
+    the thread's next call (a layer that keeps only its codes multiplies many rows
+    by it through BLAS, then moves on)."""
+    codes, scales, biases, rows, groups, group, bits = weight._arguments
+    size = rows * groups * group
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.size < size:
+        buffer = _scratch.buffer = np.empty(size, dtype=np.float32)
+    out = buffer[:size].reshape(rows, groups * group)
+    _load().reprise_packed_widen(codes, scales, biases, rows, groups, group, bits, _address(out))
     return out
 
 
@@ -167,4 +199,6 @@ def _open() -> ctypes.CDLL | None:
     library.reprise_packed_fast.argtypes, library.reprise_packed_fast.restype = [], _INT
     library.reprise_packed_gemv.argtypes = [_P, _P, _P, _P, _INT, _INT, _INT, _INT, _P, _INT]
     library.reprise_packed_gemv.restype = _INT
+    library.reprise_packed_widen.argtypes = [_P, _P, _P, _INT, _INT, _INT, _INT, _P]
+    library.reprise_packed_widen.restype = None
     return library
