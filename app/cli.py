@@ -203,6 +203,15 @@ def _add_bench_commands(commands) -> None:
     decode.add_argument("--steps", type=int, default=64, help="decode steps timed per mode")
     decode.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     decode.add_argument("--json", action="store_true")
+    weights = bench_commands.add_parser(
+        "weights", help="a quantized model as float32, as codes and as stored, on the CPU"
+    )
+    weights.add_argument("--model", help="model name or folder (default: the starter model)")
+    weights.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
+    weights.add_argument(
+        "--paths", nargs="+", choices=("dense", "codes", "stored"), default=["dense", "codes"]
+    )
+    weights.add_argument("--json", action="store_true")
     ui = bench_commands.add_parser("ui", help="the window offscreen: first paint, streaming")
     ui.add_argument("--json", action="store_true")
 
@@ -265,6 +274,10 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench import kv_decode
 
         return kv_decode.main(args)
+    if args.bench_command == "weights":
+        from app.bench import compute_paths
+
+        return compute_paths.main(args)
     if args.bench_command == "ui":
         from app.bench import ui
 

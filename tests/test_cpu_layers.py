@@ -96,10 +96,9 @@ def tiny(family: str):
 
 
 def logits_of_steps(model, prompt: list[int], fed: list, bits: int | None) -> np.ndarray:
-    """Prefill `prompt` (mlx's layers: more than MAX_ROWS), then feed each of `fed` (a
-    token, or a few in one call, as a short follow-up's prompt); the logits of every
-    fed token, the cache quantized after every call as the engine does."""
-    assert len(prompt) > cpu_layers.MAX_ROWS
+    """Prefill `prompt` in one call, then feed each of `fed` (a token, or a few in one
+    call, as a short follow-up's prompt); the logits of every fed token, the cache
+    quantized after every call as the engine does."""
     cache = make_prompt_cache(model)
     quantize = quantizer(scheme_for(bits, 32), 0)
     model(mx.array(prompt)[None], cache=cache)
@@ -128,13 +127,13 @@ def test_each_step_gives_the_logits_of_mlxs_layers(family, bits, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=tolerance * np.abs(want).max())
 
 
-def test_each_step_runs_in_numpy(monkeypatch):
+def test_each_call_runs_in_numpy(monkeypatch):
     model = tiny("qwen3")
     layers = []
     attention = cpu_layers._attention
     monkeypatch.setattr(cpu_layers, "_attention", lambda *a: layers.append(1) or attention(*a))
     logits_of_steps(model, list(range(100)), [1, [2, 3, 4], 5], None)
-    assert len(layers) == 3 * 2  # three calls, two layers; the long prompt went to mlx
+    assert len(layers) == 4 * 2  # the long prompt and three steps, two layers each
 
 
 def test_other_blocks_and_other_precisions_keep_mlxs_layers():

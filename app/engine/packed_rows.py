@@ -93,12 +93,18 @@ def of_module(module: nn.Module) -> PackedWeight | None:
         return None
     mx.eval(module.weight, module.scales, module.biases)
     codes = _read_only(np.asarray(module.weight))  # mlx's buffer, kept alive by the view
-    scales, biases = (
-        _read_only(np.array(a.astype(mx.float32))) for a in (module.scales, module.biases)
-    )
+    scales, biases = (_float32(a) for a in (module.scales, module.biases))
     if not _laid_out(codes, scales, biases, module.bits, module.group_size):
         return None
     return PackedWeight(codes, scales, biases, module.bits, module.group_size)
+
+
+def _float32(array: mx.array) -> np.ndarray:
+    """A read-only float32 numpy array of `array`: a view where it is float32 already
+    (the codes path casts its scales at load), else a copy."""
+    if array.dtype == mx.float32:
+        return _read_only(np.asarray(array))
+    return _read_only(np.array(array.astype(mx.float32)))
 
 
 def _laid_out(codes, scales, biases, bits: int, group: int) -> bool:
