@@ -84,7 +84,11 @@ def pytest_runtest_makereport(item, call):
     never streamed, and said nothing of where)."""
     report = yield
     if call.excinfo is not None and call.excinfo.typename == "TimeoutError":
-        report.sections.append(("threads when the wait timed out", _thread_stacks()))
+        try:
+            stacks = _thread_stacks()
+        except Exception as exc:  # the report must still be made
+            stacks = f"(could not be read: {exc!r})"
+        report.sections.append(("threads when the wait timed out", stacks))
     return report
 
 
@@ -94,12 +98,15 @@ def _thread_stacks() -> str:
     import traceback
 
     names = {thread.ident: thread.name for thread in threading.enumerate()}
-    return "\n".join(
+    frames = sys._current_frames()
+    stacks = [
         f"--- {names.get(ident, f'thread {ident}')}\n"
         + "".join(traceback.format_stack(frame)[-15:])
-        for ident, frame in sys._current_frames().items()
+        for ident, frame in frames.items()
         if ident != threading.main_thread().ident
-    )
+    ]
+    idle = [name for ident, name in names.items() if ident not in frames]
+    return "\n".join([*stacks, f"--- no Python frame (idle in C or Qt): {idle}"])
 
 
 @pytest.fixture(params=["mlx reads", "read ahead"])

@@ -77,12 +77,17 @@ def start_long_reply(qtbot, window):
 
 
 def wait_streaming(qtbot, window, chars: int = 20):
-    """Until the reply on screen has `chars` characters; a reply that ended before
-    (stored, and the view shows it) fails at once, saying what it was."""
-    reply = lambda: window.chat.messages[-1]  # noqa: E731  (the view's list is replaced)
-    over = lambda: reply().id > 0 and not window.generating  # noqa: E731
-    qtbot.waitUntil(lambda: len(reply().content) > chars or over(), timeout=READY_MS)
-    assert len(reply().content) > chars, f"the reply ended: {reply().state} {reply().content!r}"
+    """Until the reply just asked for has `chars` characters on screen; one that never
+    started, or ended before, fails at once, saying what is there."""
+    reply = window.chat.messages[-1] if window.chat.messages else None
+    assert reply is not None and reply.role == "assistant" and reply.id < 0, (
+        f"no reply started; the last message: {reply}"
+    )
+    # Once the turn is over the view shows the stored messages, without `reply`.
+    over = lambda: window.chat.messages[-1] is not reply and not window.generating  # noqa: E731
+    qtbot.waitUntil(lambda: len(reply.content) > chars or over(), timeout=READY_MS)
+    last = window.chat.messages[-1]
+    assert len(reply.content) > chars, f"the reply ended: {last.role} {last.state} {last.content!r}"
 
 
 def when_a_box_opens(act, title: str | None = None, kind: type | None = None) -> None:
