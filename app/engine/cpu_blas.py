@@ -211,6 +211,34 @@ def row_times_transposed(
     return mx.array(out).reshape(*x.shape[:-1], w.shape[0])
 
 
+class CodesLinear(nn.QuantizedLinear):
+    """A quantized linear layer of the codes path (its scales in float32), whose
+    one-row calls read its codes (mlx's quantized matmul is scalar code on a Linux
+    CPU). More rows stay mlx's, lazy: a prefill's logits are never evaluated."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not _one_row(x, self.scales):
+            return super().__call__(x)
+        y = _codes_times_transposed(x, self.packed_weight)
+        return y + self["bias"] if "bias" in self else y
+
+
+class CodesEmbedding(nn.QuantizedEmbedding):
+    """A quantized embedding of the codes path, whose tied output layer reads its
+    codes for one row."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not _one_row(x, self.scales):
+            return super().as_linear(x)
+        return _codes_times_transposed(x, self.packed_weight)
+
+
+def _codes_times_transposed(x: mx.array, packed: packed_rows.PackedWeight) -> mx.array:
+    mx.eval(x)
+    out = row_product(None, np.asarray(x).reshape(packed.shape[1]), packed)
+    return mx.array(out).reshape(*x.shape[:-1], packed.shape[0])
+
+
 class RowLinear(nn.Linear):
     """`nn.Linear` whose one-row calls go through sgemv."""
 
@@ -233,6 +261,12 @@ class RowEmbedding(nn.Embedding):
 
 def _row_layer(_path: str, module: nn.Module) -> nn.Module:
     # Exact classes only: a subclass may compute something else in its __call__.
+    if type(module) in _CODES and module.scales.dtype == mx.float32:
+        packed = packed_rows.of_module(module)
+        if packed is not None:  # the codes path kept it: its class changes, nothing else
+            module.__class__ = _CODES[type(module)]
+            module.packed_weight = packed
+        return module
     if type(module) is nn.Linear:
         layer = RowLinear(1, 1, bias=False)
     elif type(module) is nn.Embedding:
@@ -244,6 +278,9 @@ def _row_layer(_path: str, module: nn.Module) -> nn.Module:
         layer.bias = module.bias
     layer.packed_weight = getattr(module, "packed_weight", None)
     return layer
+
+
+_CODES = {nn.QuantizedLinear: CodesLinear, nn.QuantizedEmbedding: CodesEmbedding}
 
 
 def install(model: nn.Module) -> None:

@@ -51,7 +51,7 @@ from app.engine import cpu_blas, kvattention, packed_rows
 
 enabled = os.environ.get("REPRISE_CPU_LAYERS", "on") != "off"
 
-_LINEAR = (nn.Linear, cpu_blas.RowLinear, nn.QuantizedLinear)
+_LINEAR = (nn.Linear, cpu_blas.RowLinear, nn.QuantizedLinear, cpu_blas.CodesLinear)
 
 
 @dataclass(frozen=True)
@@ -393,16 +393,27 @@ def _row_class(block_class: type) -> type:
 
 
 def codes_layers(model: nn.Module) -> frozenset[str]:
-    """The paths of the quantized projections of `model`'s known blocks whose codes
-    the products read: on the codes path they stay as stored (their scales in
-    float32), and no float32 copy of them is made."""
-    return frozenset(
-        f"{name}.{inner}"
-        for name, block in model.named_modules()
-        if type(block) in LAYOUTS
-        for inner, module in block.named_modules()
-        if isinstance(module, nn.QuantizedLinear) and packed_rows.readable(module)
-    )
+    """The paths of the quantized layers the codes path keeps as codes (their scales
+    then in float32; no float32 copy of them is made): the projections of `model`'s
+    known blocks, its embedding and its output layer, where the products read their
+    packing."""
+    kept = set()
+    for name, module in model.named_modules():
+        if type(module) in LAYOUTS:
+            kept.update(
+                f"{name}.{inner}"
+                for inner, layer in module.named_modules()
+                if isinstance(layer, nn.QuantizedLinear) and packed_rows.readable(layer)
+            )
+        elif _embedding_or_head(name, module) and packed_rows.readable(module):
+            kept.add(name)
+    return frozenset(kept)
+
+
+def _embedding_or_head(name: str, module: nn.Module) -> bool:
+    if isinstance(module, nn.QuantizedEmbedding):
+        return True
+    return type(module) is nn.QuantizedLinear and name.rsplit(".", 1)[-1] == "lm_head"
 
 
 def install(model: nn.Module) -> int:
