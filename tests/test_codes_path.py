@@ -94,3 +94,56 @@ def test_without_the_fast_build_a_model_too_big_for_float32_runs_as_stored(
     monkeypatch.setattr(loading, "_physical_memory", lambda: 10**9)
     monkeypatch.setattr(packed_rows, "faster_here", lambda: False)
     assert loading.load(starter_model_dir).compute.weights.startswith("as stored")
+
+
+def test_without_the_compiled_products_asking_for_codes_runs_as_stored(
+    starter_model_dir, monkeypatch
+):
+    monkeypatch.setattr(packed_rows, "available", lambda: False)
+    loaded = loading.load(starter_model_dir, compute="codes")
+    assert loaded.compute.weights.startswith("as stored") and not loaded.compute.codes
+
+
+def test_without_openblas_a_model_too_big_for_float32_runs_as_stored(
+    starter_model_dir, monkeypatch
+):
+    monkeypatch.setattr(loading, "_physical_memory", lambda: 10**9)
+    monkeypatch.setattr(packed_rows, "faster_here", lambda: True)
+    monkeypatch.setattr(cpu_blas, "available", lambda: False)
+    assert loading.load(starter_model_dir).compute.weights.startswith("as stored")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_the_memory_the_choice_counts_is_what_the_codes_path_holds(family, monkeypatch):
+    """Known blocks (Qwen3) keep their codes; others (Gemma 2) are float32 and keep no
+    codes beside it, as the estimate the choice is made on assumes."""
+    from mlx_lm.models import gemma2
+
+    from app.bench.compute_paths import weight_bytes as held
+
+    monkeypatch.setattr(packed_rows, "faster_here", lambda: True)
+    if family == "gemma2":
+        args = gemma2.ModelArgs(model_type="gemma2", **_SMALL, head_dim=32)
+        model = gemma2.Model(args)
+    else:
+        module, extra = FAMILIES[family]
+        model = module.Model(module.ModelArgs(model_type=family, **_SMALL, **extra))
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    estimate = loading._codes_path_bytes(model)
+    loading._dequantize(model, mx.float32, cpu_layers.codes_layers(model))
+    cpu_blas.install(model)
+
+    class Loaded:  # what `held` reads
+        pass
+
+    loaded = Loaded()
+    loaded.model = model
+    widened = [  # what a product of many rows widens: the blocks' projections
+        4 * m.packed_weight.shape[0] * m.packed_weight.shape[1]
+        for name, m in model.named_modules()
+        if isinstance(m, cpu_blas.CodesLinear) and not name.endswith("lm_head")
+    ]
+    scratch = max(widened, default=0)
+    assert (scratch > 0) == (family == "qwen3")
+    assert held(loaded) + scratch == pytest.approx(estimate, rel=0.01)

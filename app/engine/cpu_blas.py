@@ -261,7 +261,7 @@ class RowEmbedding(nn.Embedding):
 
 def _row_layer(_path: str, module: nn.Module) -> nn.Module:
     # Exact classes only: a subclass may compute something else in its __call__.
-    if type(module) in _CODES and module.scales.dtype == mx.float32:
+    if type(module) in _CODES and module.scales.dtype == mx.float32 and packed_rows.available():
         packed = packed_rows.of_module(module)
         if packed is not None:  # the codes path kept it: its class changes, nothing else
             module.__class__ = _CODES[type(module)]

@@ -50,6 +50,9 @@ from mlx_lm.models import gemma3_text, llama, phi3, qwen2, qwen3
 from app.engine import cpu_blas, kvattention, packed_rows
 
 enabled = os.environ.get("REPRISE_CPU_LAYERS", "on") != "off"
+# Calls of up to this many rows (decode steps, a follow-up's prompt) rotate by the
+# rope's matrices, kept as pairs (`_RopeRotations`); longer ones by the module.
+ROPE_MATRIX_ROWS = 64
 
 _LINEAR = (nn.Linear, cpu_blas.RowLinear, nn.QuantizedLinear, cpu_blas.CodesLinear)
 
@@ -71,8 +74,8 @@ class Projection:
     @property
     def usable(self) -> bool:
         """A float32 weight laid out as sgemv reads it, or codes the C reads."""
-        if self.weight is None:
-            return self.packed is not None and packed_rows.enabled
+        if self.weight is None:  # the codes path: the codes are all it has
+            return self.packed is not None and packed_rows.available()
         return self.weight.flags.c_contiguous
 
 
@@ -322,14 +325,26 @@ def _attention(block: nn.Module, weights: _Weights, x: np.ndarray, mask, cache) 
     if "q" in weights.norms:
         q, k = _norm_rows(q, weights, "q"), _norm_rows(k, weights, "k")
     dims = q.shape[-1]
-    rotate = _ROPES.get(attention.rope, weights.rope_key, dims, cache.offset, rows)
-    q, k = rotate(q), rotate(k)
+    if rows <= ROPE_MATRIX_ROWS:
+        rotate = _ROPES.get(attention.rope, weights.rope_key, dims, cache.offset, rows)
+        q, k = rotate(q), rotate(k)
+    else:
+        q, k = (_rope_in_mlx(attention.rope, x, cache.offset) for x in (q, k))
     keys, values = cache.update_and_fetch(_heads_first(k), _heads_first(v))
     out = kvattention.scaled_dot_product_attention(
         _heads_first(q), keys, values, cache=cache, scale=attention.scale, mask=mask
     )
     mx.eval(out)
     return _product(weights, "o", np.asarray(out)[0].swapaxes(0, 1).reshape(rows, -1))
+
+
+def _rope_in_mlx(rope: nn.Module, x: np.ndarray, offset: int) -> np.ndarray:
+    """Rows `x` (rows, heads, dims) rotated by the module itself: for a long prompt's
+    chunk, whose matrices (rows x dims x dims: 134 MB for 512 rows of Gemma 3's 256
+    dimensions) would cost more than one mlx call."""
+    out = rope(_heads_first(x), offset=offset)
+    mx.eval(out)
+    return np.array(out)[0].swapaxes(0, 1)
 
 
 def _heads_first(x: np.ndarray) -> mx.array:
@@ -405,12 +420,13 @@ def codes_layers(model: nn.Module) -> frozenset[str]:
                 for inner, layer in module.named_modules()
                 if isinstance(layer, nn.QuantizedLinear) and packed_rows.readable(layer)
             )
-        elif _embedding_or_head(name, module) and packed_rows.readable(module):
+        elif embedding_or_head(name, module) and packed_rows.readable(module):
             kept.add(name)
     return frozenset(kept)
 
 
-def _embedding_or_head(name: str, module: nn.Module) -> bool:
+def embedding_or_head(name: str, module: nn.Module) -> bool:
+    """A model's quantized embedding, or its output layer (by mlx-lm's name for it)."""
     if isinstance(module, nn.QuantizedEmbedding):
         return True
     return type(module) is nn.QuantizedLinear and name.rsplit(".", 1)[-1] == "lm_head"

@@ -122,11 +122,18 @@ def _choose_compute(model: nn.Module, compute: str) -> ComputePath:
             f"float32 weights would take {dense_bytes / 2**30:.1f} GiB, more than "
             f"{_DENSE_MEMORY_SHARE:.0%} of memory"
         )
-        if compute == "codes" or (packed_rows.faster_here() and codes_bytes <= budget):
+        # The codes need the compiled products and OpenBLAS (without either the path
+        # is mlx's quantized kernels again, or worse); chosen by itself only where the
+        # products' fast build runs.
+        possible = packed_rows.available() and cpu_blas.available() and device == "cpu"
+        wanted = compute == "codes" or (packed_rows.faster_here() and codes_bytes <= budget)
+        if possible and wanted:
             weights = f"float32, its layers as {stored} codes"
             note = f"{too_big}; the layers' weights stay as stored" if compute == "auto" else ""
             return ComputePath(device, blas.CHOICE.name, weights, note or blas.CHOICE.note, True)
         note = f"{too_big}; running {stored} weights (slow on CPU)"
+        if compute == "codes":
+            note = "no compiled products or OpenBLAS here for the codes path; running as stored"
         return ComputePath(device, blas.CHOICE.name, f"as stored ({stored})", note)
     how = "dequantized" if stored.endswith("-bit") else "converted"
     return ComputePath(device, blas.CHOICE.name, f"float32 ({how} from {stored})", blas.CHOICE.note)
@@ -154,15 +161,18 @@ def _parameter_count(model: nn.Module) -> int:
 
 
 def _codes_path_bytes(model: nn.Module) -> int:
-    """The weights' bytes on the codes path: the known layers' codes with float32
-    scales and biases, everything else in float32."""
+    """The weights' bytes on the codes path: the kept layers' codes with float32
+    scales and biases, everything else in float32, and the scratch the largest of
+    the kept weights is widened into for a product of many rows."""
     kept = cpu_layers.codes_layers(model)
-    total = 4 * _parameter_count(model)
+    total, scratch = 4 * _parameter_count(model), 0
     for name, module in model.named_modules():
         if name in kept:
-            total += module.weight.nbytes + 4 * 2 * module.scales.size
-            total -= 4 * module.weight.size * 32 // module.bits
-    return total
+            widened = 4 * module.weight.size * 32 // module.bits
+            total += module.weight.nbytes + 4 * 2 * module.scales.size - widened
+            if not cpu_layers.embedding_or_head(name, module):  # those are never widened
+                scratch = max(scratch, widened)
+    return total + scratch
 
 
 def _physical_memory() -> int:
@@ -207,7 +217,9 @@ def _dense_layer(module: nn.Module, shape: tuple[int, ...]) -> nn.Module:
 def _dequantize(model: nn.Module, dtype: mx.Dtype, codes_only: Collection[str] = ()) -> None:
     """Replace quantized layers by dense ones, and cast everything to `dtype`. The
     layers at the paths `codes_only` stay quantized (their scales and biases cast)."""
-    keep_codes = dtype == mx.float32 and packed_rows.faster_here()
+    # Codes beside float32 for decode steps; not on the codes path, whose float32
+    # layers are the ones it could not keep as codes (and its estimate counts them once).
+    keep_codes = dtype == mx.float32 and packed_rows.faster_here() and not codes_only
 
     def dense(path: str, module: nn.Module) -> nn.Module:
         if not isinstance(module, _QUANTIZED) or path in codes_only:
