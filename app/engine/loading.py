@@ -39,7 +39,7 @@ class ComputePath:
     blas: str  # "openblas", "accelerate", "reference"
     weights: str  # "float32 (dequantized)", "as stored (4-bit)", ...
     note: str
-    codes: bool = False  # float32 compute, the known layers' projections kept as codes
+    codes: bool = False  # the codes path: float32 compute, some layers kept as codes
 
     def describe(self) -> str:
         return f"{self.device}, {self.weights}, BLAS: {self.blas}"
@@ -82,9 +82,9 @@ def load(path: Path, compute: str = "auto") -> LoadedModel:
 
     `compute` is "auto" (dequantize on CPU when it fits, else the codes path where
     it fits, else as stored), "dense" (always dequantize), "codes" (compute in
-    float32, the projections of the layers `cpu_layers` knows kept as their codes,
-    widened one at a time for a product of many rows) or "stored" (run the weights
-    as stored).
+    float32, keeping the projections of the blocks `cpu_layers` knows, the embedding
+    and the output layer as their codes: `cpu_layers.codes_layers`) or "stored" (run
+    the weights as stored).
     """
     path = Path(path)
     if not (path / "config.json").is_file():
