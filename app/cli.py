@@ -211,6 +211,9 @@ def _add_bench_commands(commands) -> None:
     weights.add_argument(
         "--paths", nargs="+", choices=("dense", "codes", "stored"), default=["dense", "codes"]
     )
+    weights.add_argument(
+        "--shape", help="a real shape with random 4-bit weights instead: qwen3-1.7b, ..."
+    )
     weights.add_argument("--json", action="store_true")
     ui = bench_commands.add_parser("ui", help="the window offscreen: first paint, streaming")
     ui.add_argument("--json", action="store_true")

@@ -291,3 +291,17 @@ def test_bench_reopen_peer_without_what_it_needs_says_what_to_do(tiny_model_dir,
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith("reprise: --peer llama.cpp ")
     assert "pip install llama-cpp-python" in done.stderr or "--peer-gguf PATH" in done.stderr
+
+
+def test_bench_weights_measures_a_shape_as_float32_as_codes_and_as_stored(starter_model_dir):
+    done = reprise(
+        "bench", "weights", "--model", str(starter_model_dir), "--shape", "tiny",
+        "--context", "64", "--paths", "dense", "codes", "stored", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    held = {name: path["weight_bytes"] for name, path in result["paths"].items()}
+    assert held["stored"] < held["codes"] < held["dense"]
+    assert result["paths"]["codes"]["compute"].endswith("4-bit codes, BLAS: openblas")
+    (row,) = result["contexts"]
+    assert all(row[name]["decode_tps"] > 0 for name in held)

@@ -18,9 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 from mlx.utils import tree_flatten
 
+from app.bench import shapes
 from app.bench.cpu_path import prompt_tokens
 from app.engine import loading, models
 from app.engine.chat import ChatSession
@@ -60,10 +63,19 @@ def measure(loaded: loading.LoadedModel, prompt: list[int], follow_up: list[int]
     }
 
 
-def run(model: str | None, contexts, chosen=PATHS, report=print) -> dict:
+def run(model: str | None, contexts, chosen=PATHS, report=print, shape: str | None = None) -> dict:
+    """`shape`: a real shape with random 4-bit weights (`bench.shapes`, the model lending
+    its tokenizer) in place of the model, written to a temporary folder."""
     model_dir = models.resolve(model, paths.models_dir())
-    loaded = {name: loading.load(model_dir, compute=name) for name in chosen}
-    result: dict = {"model": model_dir.name, "paths": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        if shape:
+            model_dir = shapes.model_folder(shape, model_dir, Path(scratch))
+        loaded = {name: loading.load(model_dir, compute=name) for name in chosen}
+    return _measure_all(model_dir.name, loaded, contexts, report)
+
+
+def _measure_all(name_of_model: str, loaded: dict, contexts, report) -> dict:
+    result: dict = {"model": name_of_model, "paths": {}}
     for name, one in loaded.items():
         described = {"compute": one.compute.describe(), "weight_bytes": weight_bytes(one)}
         result["paths"][name] = described
@@ -104,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
     def report(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    result = run(args.model, args.context, args.paths, report)
+    result = run(args.model, args.context, args.paths, report, args.shape)
     if args.json:
         print(json.dumps(result, indent=2))
     return 0
