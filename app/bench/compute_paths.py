@@ -74,8 +74,8 @@ def run(model: str | None, contexts, chosen=PATHS, report=print, shape: str | No
     return _measure_all(model_dir.name, loaded, contexts, report)
 
 
-def _measure_all(name_of_model: str, loaded: dict, contexts, report) -> dict:
-    result: dict = {"model": name_of_model, "paths": {}}
+def _measure_all(model_name: str, loaded: dict, contexts, report) -> dict:
+    result: dict = {"model": model_name, "paths": {}}
     for name, one in loaded.items():
         described = {"compute": one.compute.describe(), "weight_bytes": weight_bytes(one)}
         result["paths"][name] = described

@@ -259,6 +259,9 @@ class RowEmbedding(nn.Embedding):
         return row_times_transposed(x, self.weight, getattr(self, "packed_weight", None))
 
 
+_CODES = {nn.QuantizedLinear: CodesLinear, nn.QuantizedEmbedding: CodesEmbedding}
+
+
 def _row_layer(_path: str, module: nn.Module) -> nn.Module:
     # Exact classes only: a subclass may compute something else in its __call__.
     if type(module) in _CODES and module.scales.dtype == mx.float32 and packed_rows.available():
@@ -278,9 +281,6 @@ def _row_layer(_path: str, module: nn.Module) -> nn.Module:
         layer.bias = module.bias
     layer.packed_weight = getattr(module, "packed_weight", None)
     return layer
-
-
-_CODES = {nn.QuantizedLinear: CodesLinear, nn.QuantizedEmbedding: CodesEmbedding}
 
 
 def install(model: nn.Module) -> None:

@@ -75,7 +75,7 @@ class Projection:
     def usable(self) -> bool:
         """A float32 weight laid out as sgemv reads it, or codes the C reads."""
         if self.weight is None:  # the codes path: the codes are all it has
-            return self.packed is not None and packed_rows.available()
+            return self.packed is not None
         return self.weight.flags.c_contiguous
 
 
@@ -99,10 +99,11 @@ def _view(array: mx.array) -> np.ndarray:
 
 
 def _linear(module: nn.Module) -> Projection:
+    """Its float32 weight (none on the codes path: its codes only), bias, and codes
+    where `loading` or `cpu_blas.install` gave it them."""
     bias = _view(module["bias"]) if "bias" in module else None
-    if isinstance(module, nn.QuantizedLinear):  # the codes path: its codes, no float32 copy
-        return Projection(None, bias, packed_rows.of_module(module))
-    return Projection(_view(module["weight"]), bias, getattr(module, "packed_weight", None))
+    weight = None if isinstance(module, nn.QuantizedLinear) else _view(module["weight"])
+    return Projection(weight, bias, getattr(module, "packed_weight", None))
 
 
 def _norm(module: nn.Module, offset: float = 0.0) -> tuple[np.ndarray, float]:
