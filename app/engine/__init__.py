@@ -1,7 +1,11 @@
 """The engine: models, prompts and generation on MLX. No Qt here.
 
-OpenBLAS must be loaded before mlx is first imported (see `blas`), so this
-package does it before anything else.
+OpenBLAS must be loaded before mlx is first imported (see `blas`), and mlx's
+settings from the environment set (see `mlx_settings`), so this package does
+both before anything else.
 """
 
-from app.engine import blas  # noqa: F401  (side effect: preload OpenBLAS on Linux)
+from app.engine import (
+    blas,  # noqa: F401  (side effect: preload OpenBLAS on Linux)
+    mlx_settings,  # noqa: F401  (side effect: the environment mlx reads)
+)
