@@ -28,6 +28,7 @@ tokens then feed zeros): harmless for a test model.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,6 +317,21 @@ def _newline_id(tokenizer_json: Path) -> int:
 
     (newline,) = Tokenizer.from_file(str(tokenizer_json)).encode("\n", add_special_tokens=False).ids
     return newline
+
+
+# What the CPU path holds each of mlx-lm's attention classes as for 16 bits: float16
+# (`SIXTEEN_BIT`), in the app's own classes.
+FLOAT16_CLASSES = {
+    "KVCache": "MixedKVCache",
+    "RotatingKVCache": "MixedKVCache",
+    "ChunkedKVCache": "ChunkedMixedKVCache",
+}
+
+
+def held_in_float16(caches: tuple[str, ...]) -> list[str]:
+    """A family's `caches` as the CPU path holds them for 16 bits."""
+    pattern = re.compile("|".join(sorted(FLOAT16_CLASSES, key=len, reverse=True)))
+    return [pattern.sub(lambda m: FLOAT16_CLASSES[m.group()], name) for name in caches]
 
 
 def cache_classes(cache: list) -> list[str]:

@@ -11,9 +11,12 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 from safetensors.numpy import save_file
+from tampering import rewrite_chunk
 
 from app.engine import kvstore
+from app.engine.cache_keys import describe_cache
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
@@ -100,18 +103,18 @@ def test_prefetch_of_a_chat_with_nothing_saved_says_so_and_the_turn_still_answer
 
 
 def test_a_restored_layer_has_room_for_the_next_tokens(tiny_model, saved_conversation):
-    """Chunks are written into one buffer with room after them, as a live KVCache has:
+    """Chunks are written into one buffer with room after them, as a live cache has:
     the first new token must not regrow (copy) the whole restored cache."""
     engine = new_engine(tiny_model)
     entry = engine.index.conversation(saved_conversation)
     result = engine.kvstore.restore(entry, len(entry.tokens))
     assert result.rejected is None and len(result.tokens) == len(entry.tokens)
-    layer = result.cache[0]
-    assert layer.offset == len(entry.tokens) < layer.keys.shape[2]
-    before = layer.keys
-    new = mx.ones((1, layer.keys.shape[1], 1, layer.keys.shape[3]), layer.keys.dtype)
+    layer = result.cache[0]  # 16 bits on the CPU path: float16 rows in its bulk store
+    keys = layer.bulk[0].buffers[0]
+    assert layer.offset == len(entry.tokens) < keys.shape[2]
+    new = mx.ones((1, keys.shape[1], 1, keys.shape[3]), mx.float32)
     layer.update_and_fetch(new, new)
-    assert layer.keys.shape == before.shape  # written in place, not regrown
+    assert layer.bulk[0].buffers[0].shape == keys.shape  # written in place, not regrown
     assert layer.offset == len(entry.tokens) + 1
 
 
@@ -360,24 +363,52 @@ def test_eviction_keeps_the_budget_and_only_costs_speed(tiny_model):
     assert [m.role for m in reopened.store.get(old.id).messages] == ["user", "assistant"] * 2
 
 
-def test_a_16_bit_model_computed_in_float32_is_saved_in_16_bits(tiny_model, saved_conversation):
-    """The CPU path computes in float32; the file holds the model's own 16 bits, half the
-    bytes, and the restored cache is float32 again and equal to the saved one rounded."""
+def test_the_cpu_paths_16_bits_are_float16_in_memory_on_disk_and_restored(
+    tiny_model, saved_conversation
+):
+    """The CPU path computes in float32, and keeps a 16-bit cache in float16: half
+    float32's memory, the bytes its files hold, and a restore that converts nothing
+    (the restored rows are the live ones, bit for bit)."""
     engine = new_engine(tiny_model)
-    assert engine.kvstore.sixteen_bit in ("float16", "bfloat16")
+    turn(engine, saved_conversation, "one more question")
+    live = engine.session.cache
+    tokens = len(engine.session.tokens)
+    assert tiny_model.cache_layer_shapes[0].dtype == mx.float32  # what the model computes in
+    plain = make_prompt_cache(tiny_model.model)  # mlx-lm's cache of the same tokens
+    tiny_model.model(mx.array(engine.session.tokens)[None], cache=plain)
+    assert engine.session.kv_bytes() == sum(layer.nbytes for layer in plain) / 2
+    assert describe_cache(live) == "16-bit"
+
     entry = engine.index.conversation(saved_conversation)
-    assert entry.kv_format == engine.kvstore.sixteen_bit
-    row = engine.index.chunk(entry.chunk_keys[0])
-    tensors, _ = read_file(path_from_url(row["url"]), {})
-    assert {str(t.dtype) for t in tensors.values()} == {"float16"} or entry.kv_format == "bfloat16"
+    for key in entry.chunk_keys:
+        tensors, _ = read_file(path_from_url(engine.index.chunk(key)["url"]), {})
+        assert {str(t.dtype) for t in tensors.values()} == {"float16"}
     result = engine.kvstore.restore(entry, len(entry.tokens))
-    assert result.rejected is None
-    assert all(layer.keys.dtype == mx.float32 for layer in result.cache)
-    live = ChatSession(tiny_model)
-    *_, _finished = live.generate(entry.tokens[:-1], sampling=SamplingSettings.greedy(1))
-    first = live.cache[0].keys[..., :CHUNK, :]
-    restored = result.cache[0].keys[..., :CHUNK, :]
-    assert mx.allclose(restored, first.astype(mx.float16).astype(mx.float32), atol=1e-3).item()
+    assert result.rejected is None and len(result.tokens) == tokens
+    for restored, held in zip(result.cache, live, strict=True):
+        for part in (0, 1):
+            a, b = (layer.reference_read(part, mx.float16) for layer in (restored, held))
+            assert a.dtype == mx.float16 and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_16_bit_cache_an_earlier_version_saved_from_float32_still_reopens(tiny_model):
+    """Before, the CPU path held float32 and saved it in the model's own 16 bits
+    ("float16" or "bfloat16"): such a cache is restored (widened) and goes on in float16."""
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    turn(engine, conversation.id, "hello there")
+    tokens = list(engine.session.tokens)
+    plain = make_prompt_cache(tiny_model.model)  # mlx-lm's float32 cache, as it was
+    tiny_model.model(mx.array(tokens)[None], cache=plain)
+    mx.eval([layer.state for layer in plain])
+    engine.kvstore.save(conversation.id, tokens, plain)
+    entry = engine.index.conversation(conversation.id)
+    assert entry.kv_format == engine.kvstore.sixteen_bit
+
+    reopened = new_engine(tiny_model)
+    finished, _ = turn(reopened, conversation.id, "tell me more")
+    assert finished.restore.source == "disk" and finished.restore.tokens == len(tokens)
+    assert describe_cache(reopened.session.cache) == "16-bit"  # float16 from then on
 
 
 def test_a_regenerate_from_memory_reports_the_tokens_it_keeps(tiny_model, saved_conversation):
@@ -390,3 +421,19 @@ def test_a_regenerate_from_memory_reports_the_tokens_it_keeps(tiny_model, saved_
     finished = next(e for e in events if isinstance(e, ReplyFinished))
     assert finished.restore.source == "memory"
     assert finished.restore.tokens == finished.stats.reused_tokens < held
+
+
+def test_float16_rows_rewritten_as_bfloat16_still_get_a_reply(tiny_model, saved_conversation):
+    """A saved 16-bit cache's rows rewritten as bfloat16 bits (another program, signed
+    anew): the reopened turn reads them as such and replies, no traceback (numpy, which
+    reads float16 rows, has no bfloat16)."""
+    index = CacheIndex(open_db())
+
+    def as_bfloat16(tensors: dict, _metadata: dict) -> None:
+        for name in [n for n in tensors if n.endswith((".k.0", ".v.0"))]:
+            tensors[name] = tensors[name].view(np.uint16)
+
+    for key in index.conversation(saved_conversation).chunk_keys:
+        rewrite_chunk(index, key, as_bfloat16)
+    finished, _ = turn(new_engine(tiny_model), saved_conversation, "one more question")
+    assert finished.restore.source == "disk" and finished.stats.generated_tokens > 0

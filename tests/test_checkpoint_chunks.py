@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import sqlite_utils
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache
 from tampering import rewrite_chunk, rewrite_layout
 from test_families import assert_identical
 
@@ -28,7 +28,6 @@ from sessions.db import migrations, open_db
 FIRST = "a first message longer than the sliding window of this small model"
 LATER = "and what came after that"
 OPTIONS = TurnOptions(sampling=SamplingSettings.greedy(8))
-BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 FILE_OVERHEAD = 1024  # a chunk file's header: names, shapes, metadata (about 0.5 kB)
 
 
@@ -56,11 +55,13 @@ def started(loaded, turns: int) -> tuple[ConversationEngine, int]:
     return engine, conversation.id
 
 
-def global_bytes_per_token(cache: list, fmt: str) -> int:
-    """What one token of the full-attention layers takes in the chunks' format."""
-    layers = [layer for layer in cache if type(layer) is KVCache]
-    return sum(BYTES[fmt] * (lay.keys.shape[1] * (lay.keys.shape[3] + lay.values.shape[3]))
-               for lay in layers)  # fmt: skip
+def global_bytes_per_token(cache: list) -> int:
+    """What one token of the full-attention layers takes in the chunks (the CPU path's
+    16 bits: float16)."""
+    layers = [layer for layer in cache if type(layer) is MixedKVCache and layer.max_size is None]
+    assert layers and all(layer.scheme.key_bits is None for layer in layers)
+    buffers = [(layer.bulk[0].buffers[0], layer.bulk[1].buffers[0]) for layer in layers]
+    return sum(2 * k.shape[1] * (k.shape[3] + v.shape[3]) for k, v in buffers)
 
 
 def test_a_turn_writes_its_new_tokens_and_a_checkpoint_of_the_windows(words_model):
@@ -79,7 +80,7 @@ def test_a_turn_writes_its_new_tokens_and_a_checkpoint_of_the_windows(words_mode
     # The checkpoint holds the windows, whatever the length: the same size each turn.
     checkpoints = [checkpoint for _, _, checkpoint, _ in rows[1:]]
     assert max(checkpoints) - min(checkpoints) < 256, checkpoints
-    per_token = global_bytes_per_token(engine.session.cache, entry.kv_format)
+    per_token = global_bytes_per_token(engine.session.cache)
     for new, chunks, _, files in rows[1:]:  # the global layer: the turn's tokens only
         assert new * per_token <= chunks <= 1.3 * new * per_token + FILE_OVERHEAD * (files - 1)
 
@@ -134,8 +135,8 @@ DAMAGE = {
         index, e.checkpoint_keys[-1], lambda layout: layout[0].update(in_chunks=True)
     ),
     "chunks disagree with the checkpoint": lambda index, e: rewrite_layout(
-        index, e.checkpoint_keys[-1], lambda layout: layout[2].update({"class": "MixedKVCache"})
-    ),
+        index, e.checkpoint_keys[-1], lambda layout: layout[2].update({"class": "KVCache"})
+    ),  # the chunks hold the CPU path's float16 MixedKVCache
     "a chunk stacks a sliding layer with the global one": lambda index, e: rewrite_chunk(
         index, e.chunk_keys[0], _with_layer_1
     ),
@@ -320,18 +321,19 @@ def test_a_kill_during_a_save_leaves_the_turn_before_and_orphans_for_gc(
     assert finished.text == expected.text
 
 
-def test_float32_windows_of_a_16_bit_model_are_saved_in_its_16_bits(sliding_model):
-    """The CPU path computes in float32: a 16-bit model's windows are saved in its own
-    16-bit type, as its chunks are (half the bytes), and come back in float32."""
+def test_the_windows_of_a_model_computed_in_float32_are_float16_throughout(sliding_model):
+    """The CPU path computes in float32 and keeps 16 bits in float16: its windows too,
+    in memory, in the checkpoint (as the chunks: half float32's bytes) and restored,
+    bit for bit."""
     assert "converted from float16" in sliding_model.compute.weights
     engine, conversation_id = started(sliding_model, 2)
     entry = engine.index.conversation(conversation_id)
     window = engine.session.cache[0]
-    assert type(window) is RotatingKVCache and window.keys.dtype == mx.float32
+    assert type(window) is MixedKVCache and window.max_size is not None
     tensors, _ = read_file(path_from_url(engine.index.chunk(entry.checkpoint_keys[-1])["url"]), {})
     assert {str(a.dtype) for a in tensors.values()} == {"float16"}
 
     restored = engine.kvstore.restore(entry, len(entry.tokens)).cache[0]
-    assert type(restored) is RotatingKVCache and restored.keys.dtype == mx.float32
-    for ours, live in zip(restored.state[:2], window.state[:2], strict=True):
-        assert mx.array_equal(ours, live.astype(mx.float16).astype(mx.float32)).item()
+    assert type(restored) is MixedKVCache and restored.max_size == window.max_size
+    for ours, live in zip(restored.dequantized(), window.dequantized(), strict=True):
+        assert ours.dtype == mx.float16 and mx.array_equal(ours, live).item()

@@ -16,7 +16,7 @@ import pytest
 
 from app.engine import kvattention, kvnative
 from app.engine.kvquant import MixedKVCache
-from app.engine.kvscheme import APP_SCHEMES, KVScheme
+from app.engine.kvscheme import APP_SCHEMES, SIXTEEN_BIT, KVScheme
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU path's products")
 
@@ -205,8 +205,9 @@ def test_a_decode_step_at_the_edges_of_a_layout_matches_the_oracle(monkeypatch, 
     keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
     want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125)
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
-    assert len(calls) == (2 * 2 * batch if native else 0)  # exact rows and bulk, each KV head
-    assert native is False or (calls[0].tokens == 0) == (scheme.window == 0)
+    stores = 2 if scheme.window else 1  # exact rows and bulk; a store with no rows is skipped
+    assert len(calls) == (stores * 2 * batch if native else 0)  # each KV head
+    assert all(rows.tokens for rows in calls)
 
 
 def _filled(scheme: KVScheme) -> MixedKVCache:
@@ -236,3 +237,28 @@ def test_a_library_built_for_other_arguments_is_not_called(tmp_path):
     command[-3:] = [f"-DREPRISE_KV_ABI={kvnative.ABI}", str(SOURCE), "-o", str(current)]
     assert subprocess.run(command, capture_output=True).returncode == 0
     assert kvnative._open(str(current)).limits[1] == 64
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+def test_float16_rows_are_widened_exactly():
+    """A float16 cache's token span (a strided view of its buffer), subnormals and the
+    largest values included, as float32: what numpy's cast gives, bit for bit."""
+    x = mx.random.normal((2, 3, 300, 64), key=mx.random.key(7)) * 3000
+    x[..., 0, :4] = mx.array([6e-8, -6e-8, 65504, -65504])  # subnormal and largest
+    rows = np.asarray(x.astype(mx.float16))[:, :, 10:290]
+    assert np.array_equal(kvnative.widen_halves(rows), rows.astype(np.float32))
+
+
+@pytest.mark.parametrize("rows", [2, 17, 64])
+def test_a_short_turn_over_float16_rows_matches_the_oracle(rows):
+    """The CPU path's 16 bits (both halves float16): a short turn's rows attend under
+    the causal mask to what the oracle attends to, the float16 rows widened."""
+    layer = MixedKVCache(SIXTEEN_BIT)
+    keys, values = (mx.random.normal((1, 2, 300, 64), key=mx.random.key(k)) for k in (1, 2))
+    layer.update_and_fetch(keys[..., :-rows, :], values[..., :-rows, :])
+    layer.update_and_fetch(keys[..., -rows:, :], values[..., -rows:, :])
+    queries = mx.random.normal((1, 6, rows, 64), key=mx.random.key(3))
+    got = layer.attend(queries, 0.125, "causal")
+    keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask="causal")
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()

@@ -86,7 +86,7 @@ def test_reprise_chat_honours_the_saved_preferences(tiny_model_dir):
     assert record["generated_tokens"] == 5 and record["model"] == "tiny-random-llama"
     # A flag overrides its preference, and only it.
     record = chat_json("--no-kv-quantization", "--max-tokens", "3")
-    assert record["kv_format"] == "float32" and record["generated_tokens"] == 3  # the model's type
+    assert record["kv_format"] == "16-bit" and record["generated_tokens"] == 3  # float16 on a CPU
     record = chat_json("--kv-bits", "8")
     assert record["kv_format"].startswith("8-bit (group 32")
 

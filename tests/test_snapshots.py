@@ -4,10 +4,10 @@ full-attention layers in token chunks and the others in one checkpoint per turn.
 from __future__ import annotations
 
 import families
+import numpy as np
 import pytest
 from conftest import SLIDING_WINDOW
-from mlx_lm.models.cache import RotatingKVCache
-from tampering import rewrite_layout
+from tampering import rewrite_chunk, rewrite_layout
 
 from app.engine import checkpoints
 from app.engine.chat import ChatSession
@@ -43,11 +43,10 @@ def test_a_sliding_window_conversation_reopens_from_its_snapshot(sliding_model, 
     turn(engine, conversation.id, "a first message longer than the sliding window", options)
     turn(engine, conversation.id, "and a second one", options)
     window, full = engine.session.cache
-    if bits:  # the sliding window is quantized too
-        assert isinstance(window, MixedKVCache) and window.max_size == SLIDING_WINDOW
-        assert isinstance(full, MixedKVCache) and full.scheme.key_bits == bits
-    else:
-        assert isinstance(window, RotatingKVCache)
+    # The sliding window is stored as the full layer is: quantized, or for 16 bits in
+    # float16 (the CPU path computes in float32).
+    assert isinstance(window, MixedKVCache) and window.max_size == SLIDING_WINDOW
+    assert isinstance(full, MixedKVCache) and full.scheme.key_bits == bits
     entry = CacheIndex(open_db()).conversation(conversation.id)
     assert entry.kv_format != "snapshot" and len(entry.checkpoint_keys) == 2  # one per turn
     assert len(entry.chunk_keys) == 2  # the full-attention layer: each turn's tokens
@@ -84,6 +83,41 @@ def test_a_tampered_snapshot_layout_is_refused(words_model, damage):
     finished = turn(ConversationEngine(open_db(), words_model), conversation.id, "next", options)
     assert finished.restore.source == "recompute" and finished.restore.rejected
     assert len(finished.text.split()) == 2  # the turn went on, recomputed
+
+
+def _each_window_array(change):
+    """A checkpoint change applied to every array of its sliding windows' states."""
+
+    def changed(tensors: dict, _metadata: dict) -> None:
+        for name in [n for n in tensors if n.count(".") == 2]:
+            tensors[name] = change(tensors[name])
+
+    return changed
+
+
+TAMPERED_ARRAYS = {
+    "more heads": lambda a: np.concatenate([a] * 3, axis=1),
+    "narrower rows": lambda a: np.ascontiguousarray(a[..., : a.shape[-1] // 2]),
+    "float32": lambda a: a.astype(np.float32),
+    "codes for rows": lambda a: a.view(np.uint32),
+}
+
+
+@pytest.mark.parametrize("change", TAMPERED_ARRAYS.values(), ids=TAMPERED_ARRAYS.keys())
+def test_a_checkpoint_whose_windows_are_not_the_models_is_refused(words_model, change):
+    """Arrays of another shape or type than the model's layer holds (signed anew): the
+    turn recomputes, where it used to fail inside the model at the next token."""
+    options = TurnOptions(sampling=SamplingSettings.greedy(2))
+    engine = ConversationEngine(open_db(), words_model)
+    conversation = engine.store.create(words_model.name)
+    turn(engine, conversation.id, "a first message longer than the sliding window", options)
+    index = CacheIndex(open_db())
+    key = index.conversation(conversation.id).checkpoint_keys[0]
+    rewrite_chunk(index, key, _each_window_array(change))
+
+    finished = turn(ConversationEngine(open_db(), words_model), conversation.id, "next", options)
+    assert finished.restore.source == "recompute" and "MixedKVCache" in finished.restore.rejected
+    assert len(finished.text.split()) == 2
 
 
 def test_a_changed_history_or_a_bad_snapshot_recomputes(sliding_model):

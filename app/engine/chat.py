@@ -31,7 +31,7 @@ from app.engine.generation import (
 )
 from app.engine.kvconvert import quantizer
 from app.engine.kvquant import MixedKVCache
-from app.engine.kvscheme import scheme_for
+from app.engine.kvscheme import SIXTEEN_BIT, KVScheme, scheme_for, usable_format
 from app.engine.loading import LoadedModel
 from app.engine.steps import (
     decode,
@@ -113,14 +113,27 @@ class ChatSession:
     def kv_bytes(self) -> int:
         return sum(c.nbytes for c in self.cache) if self.cache else 0
 
+    def kv_scheme(self, kv: KVSettings) -> KVScheme | None:
+        """How this model's cache stores its tokens under `kv`: the app's 8-bit or 4-bit
+        scheme; for 16 bits the model's own precision (None), except where the model
+        computes in float32 (the CPU path). There 16 bits means float16 (`SIXTEEN_BIT`):
+        half float32's memory, the bytes a saved cache holds (so a restore converts
+        nothing), and decode steps that read half as much."""
+        scheme = scheme_for(kv.bits, kv.group_size)
+        if scheme is None and self._computes_in_float32():
+            return SIXTEEN_BIT
+        return scheme
+
+    def _computes_in_float32(self) -> bool:
+        return any(s is not None and s.dtype == mx.float32 for s in self.loaded.cache_layer_shapes)
+
     def cache_usable(self, kv: KVSettings) -> bool:
-        """Whether the cache in memory can go on under `kv`; a quantized cache is never
-        used for another scheme (or for full precision), a full-precision one always."""
+        """Whether the cache in memory can go on under `kv` (`usable_format`)."""
         if self.cache is None:
             return False
-        wanted = scheme_for(kv.bits, kv.group_size)
+        wanted = self.kv_scheme(kv)
         return all(
-            wanted is not None and layer.scheme.format == wanted.format
+            usable_format(layer.scheme.format, wanted)
             for layer in self.cache
             if isinstance(layer, MixedKVCache)
         )
@@ -130,9 +143,10 @@ class ChatSession:
         if not self.cache_usable(kv):
             self.cache = make_prompt_cache(self.loaded.model)
             self.tokens = []
-        wanted = scheme_for(kv.bits, kv.group_size)
+        wanted = self.kv_scheme(kv)
         for layer in self.cache:
-            if isinstance(layer, MixedKVCache):
+            # (a float16 layer serving a quantized scheme is converted by the steps)
+            if isinstance(layer, MixedKVCache) and layer.scheme.format == wanted.format:
                 layer.set_window(wanted.window)
         keep = reusable_prefix(self.tokens, prompt)
         excess = len(self.tokens) - keep
@@ -261,7 +275,10 @@ class ChatSession:
             )
 
     def _quantizer(self, kv: KVSettings) -> Callable[[list], None]:
-        return quantizer(scheme_for(kv.bits, kv.group_size), kv.quantized_kv_start)
+        scheme = self.kv_scheme(kv)
+        # "Full precision until" is for quantizing: float16 holds from the first token.
+        start = 0 if scheme == SIXTEEN_BIT else kv.quantized_kv_start
+        return quantizer(scheme, start)
 
     def _finish(self, turn: _Turn, text: str, reason: str) -> TurnFinished:
         now = time.perf_counter()

@@ -133,7 +133,9 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
     tensors, metadata = read_checked(
         path_from_url(row["url"], store.index.root), manifest.expected()
     )
-    cache, in_chunks = snapshots.restore_checkpoint(template, tensors, metadata.get("layout", ""))
+    layout = metadata.get("layout", "")
+    shapes = store.loaded.attention_shapes
+    cache, in_chunks = snapshots.restore_checkpoint(template, tensors, layout, shapes)
     size = row["bytes"]
     if in_chunks:
         size += _put_chunked_layers(store, entry, end, cache, in_chunks)

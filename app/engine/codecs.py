@@ -46,19 +46,21 @@ class TensorSpec:
     optional: bool = False  # a chunk may hold it or not
 
 
-def layer_shapes(model) -> list[LayerShape | None]:
-    """Per layer (a CacheList's parts each in its place, `cache_parts`), its shape as
-    the model really caches it, from one token fed into a fresh cache (config fields
-    differ between families; the model does not)."""
+def attention_shapes(model) -> list[tuple[type, LayerShape | None]]:
+    """Per layer (a CacheList's parts each in its place, `cache_parts`), its cache class
+    and its shape as the model really caches it, from one token fed into a fresh cache
+    (config fields differ between families; the model does not); None for a layer
+    that holds no keys (a recurrent state)."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     shapes = []
     for layer in cache_parts(cache):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if type(layer) is KVCache and keys is not None:
-            shapes.append(LayerShape(keys.shape[1], keys.shape[3], values.shape[3], keys.dtype))
+        if isinstance(keys, mx.array) and isinstance(values, mx.array):
+            shape = LayerShape(keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+            shapes.append((type(layer), shape))
         else:
-            shapes.append(None)
+            shapes.append((type(layer), None))
     return shapes
 
 
@@ -128,7 +130,7 @@ class MixedCodec:
             ("k", scheme.key_bits, shape.key_dim),
             ("v", scheme.value_bits, shape.value_dim),
         ):
-            if dim % scheme.group_size or (bits and dim * bits % 32):
+            if bits and (dim % scheme.group_size or dim * bits % 32):  # float16 has no groups
                 raise CacheRejected(f"group size {scheme.group_size} does not fit width {dim}")
             if bits is None:
                 specs[f"{part}.0"] = TensorSpec((1, shape.heads, n, dim), _SIXTEEN_STORED)

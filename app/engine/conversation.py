@@ -22,7 +22,7 @@ from app.engine.generation import (
     TurnFinished,
     TurnStats,
 )
-from app.engine.kvscheme import scheme_for, usable_format
+from app.engine.kvscheme import usable_format
 from app.engine.kvstore import KVStore, SaveReport
 from app.engine.loading import LoadedModel
 from app.engine.snapshots import can_trim
@@ -350,7 +350,7 @@ class ConversationEngine:
         if entry is None:
             return RestoreInfo(rejected="no saved cache")
         if entry.kv_format != SNAPSHOT and not usable_format(
-            entry.kv_format, scheme_for(kv.bits, kv.group_size)
+            entry.kv_format, self.session.kv_scheme(kv)
         ):
             return RestoreInfo(
                 rejected=f"saved as {entry.kv_format}, which the current KV "

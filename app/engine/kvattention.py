@@ -200,10 +200,14 @@ def _in_order(layout: PackedLayout, part: int, dtype: mx.Dtype, rotated: bool) -
         exact = _rotate(exact)
     if layout.bulk_end == layout.bulk_start:
         return exact
-    bulk = widen(layout.bulk[part], layout.bulk_parts(part), dtype)
+    bulk = None
+    if dtype == mx.float32 and mx.default_device() == mx.cpu:
+        bulk = kvcpu.widened(layout.bulk[part], layout.bulk_start, layout.bulk_end)
+    if bulk is None:
+        bulk = widen(layout.bulk[part], layout.bulk_parts(part), dtype)
     sink = layout.sink_rows
-    pieces = [exact[..., :sink, :], bulk, exact[..., sink:, :]]
-    return mx.concatenate([p for p in pieces if p.shape[2]], axis=2)
+    pieces = [p for p in (exact[..., :sink, :], bulk, exact[..., sink:, :]) if p.shape[2]]
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
 
 def dense(layout: PackedLayout, queries: mx.array, scale: float, mask, sinks=None) -> mx.array:

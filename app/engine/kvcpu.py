@@ -78,16 +78,36 @@ def _native(stores: list, q: np.ndarray, bulk_q: np.ndarray) -> np.ndarray:
     exact_k, exact_v, bulk_k, bulk_v = stores
     rows = exact_k.tokens
     scores = np.empty((*q.shape[:2], rows + bulk_k.tokens), np.float32)
+    keys = ((exact_k, q, slice(0, rows)), (bulk_k, bulk_q, slice(rows, None)))
+    values = ((exact_v, slice(0, rows)), (bulk_v, slice(rows, None)))
+    # A call costs some µs in Python: none for a store with no rows (the 16-bit
+    # scheme's exact rows, a short cache's bulk).
     for head in range(len(q)):
-        kvnative.scores(exact_k, head, q[head], scores[head, :, :rows])
-        kvnative.scores(bulk_k, head, bulk_q[head], scores[head, :, rows:])
+        for store, query, span in keys:
+            if store.tokens:
+                kvnative.scores(store, head, query[head], scores[head, :, span])
     totals = cpu_attention.exp_in_place(scores)
     out = np.zeros((*q.shape[:2], exact_v.dim), np.float32)
     for head in range(len(q)):
-        kvnative.values(exact_v, head, scores[head, :, :rows], out[head])
-        kvnative.values(bulk_v, head, scores[head, :, rows:], out[head])
+        for store, span in values:
+            if store.tokens:
+                kvnative.values(store, head, scores[head, :, span], out[head])
     out /= totals
     return out
+
+
+def widened(store, start: int, end: int) -> mx.array | None:
+    """A float16 store's tokens [start, end) as float32, (batch, KV heads, tokens,
+    width), widened by the compiled code: for the products of many query rows, where
+    mlx's cast (scalar code here) cost more than the rest of a short turn's attention.
+    None where that code is not there."""
+    if store.bits is not None or store.dtype != mx.float16 or not kvnative.available():
+        return None  # (bfloat16 rows, from a file: numpy has no such type)
+    mx.eval(store.buffers)
+    rows = np.asarray(store.buffers[0])[:, :, store.span(start, end)]
+    # Into this thread's scratch, which mlx then copies into memory its allocator
+    # reuses: a fresh array each call was pages the OS mapped anew every time.
+    return mx.array(kvnative.widen_halves(rows, _scratch_for(rows.shape)))
 
 
 def _rows(store, start: int = 0, end: int | None = None) -> list[np.ndarray]:

@@ -19,7 +19,7 @@ _INT, _SIZE, _FLOAT_P, _P = ctypes.c_int, ctypes.c_ssize_t, ctypes.c_void_p, cty
 _ROWS = [_P, _SIZE, _P, _P, _SIZE, _INT, _INT, _INT, _INT]  # a store's rows, as in the C
 
 enabled = os.environ.get("REPRISE_KV_NATIVE", "on") != "off"
-ABI = 1  # kvdecode.c's REPRISE_KV_ABI: the arguments `_ROWS` and the calls below pass
+ABI = 2  # kvdecode.c's REPRISE_KV_ABI: the arguments `_ROWS` and the calls below pass
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -47,6 +47,8 @@ def _open(path: str) -> ctypes.CDLL | None:
     library.reprise_kv_scores.argtypes = [*_ROWS, _FLOAT_P, _INT, _FLOAT_P, _SIZE]
     library.reprise_kv_values.argtypes = [*_ROWS, _FLOAT_P, _SIZE, _INT, _FLOAT_P]
     library.reprise_kv_scores.restype = library.reprise_kv_values.restype = None
+    library.reprise_kv_widen_halves.argtypes = [_P, _SIZE, _SIZE, _SIZE, _FLOAT_P]
+    library.reprise_kv_widen_halves.restype = None
     library.limits = tuple(library.reprise_kv_limit(which) for which in range(4))
     return library
 
@@ -135,6 +137,21 @@ def values(rows: Rows, head: int, w: np.ndarray, out: np.ndarray) -> None:
     _load().reprise_kv_values(
         *rows._arguments(head), w.ctypes.data, w.strides[0] // 4, len(w), out.ctypes.data
     )
+
+
+def widen_halves(rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """float16 `rows` (batch, heads, tokens, width), each head's tokens contiguous (a
+    cache buffer sliced on its token axis), as float32, into `out` (contiguous, of
+    their shape) or a new array."""
+    batch, heads, tokens, width = rows.shape
+    _require(rows.dtype == np.float16 and rows.strides[3] == 2 and rows.strides[2] == 2 * width)
+    _require(batch == 1 or rows.strides[0] == heads * rows.strides[1])
+    out = np.empty(rows.shape, np.float32) if out is None else out
+    _require(out.shape == rows.shape and out.dtype == np.float32 and out.flags.c_contiguous)
+    _load().reprise_kv_widen_halves(
+        rows.ctypes.data, rows.strides[1] // 2, batch * heads, tokens * width, out.ctypes.data
+    )
+    return out
 
 
 def _require(condition: bool) -> None:

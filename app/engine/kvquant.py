@@ -46,11 +46,19 @@ from app.engine.tokenstore import TokenStore, as_dtype, joined, layer_rows, sixt
 FLUSH = 32  # tokens quantized at a time once older than the window
 
 
-def quantized_at(count: int, window: int) -> int:
+def quantized_at(count: int, window: int, block: int = FLUSH) -> int:
     """How many positions a layer holds quantized once `count` are stored: whole
-    blocks of FLUSH tokens older than the window. A function of the count alone,
-    however the tokens arrived, so a cache rebuilt from its files is the live one."""
-    return max(0, (count - window) // FLUSH * FLUSH)
+    blocks (`flush_block`) of tokens older than the window. A function of the count
+    alone, however the tokens arrived, so a cache rebuilt from its files is the live one."""
+    return max(0, (count - window) // block * block)
+
+
+def flush_block(scheme: KVScheme) -> int:
+    """Tokens quantized at a time: FLUSH, or one where both halves stay 16-bit
+    (`SIXTEEN_BIT`, the CPU path's 16 bits). Its "quantizing" is a copy, so a token
+    goes to the bulk at once: the layer never holds a second copy of its recent rows,
+    and a save never writes one."""
+    return 1 if scheme.key_bits is None and scheme.value_bits is None else FLUSH
 
 
 def app_window(scheme: KVScheme) -> int:
@@ -65,7 +73,7 @@ def app_window(scheme: KVScheme) -> int:
 def tail_rows_at(count: int, scheme: KVScheme) -> int:
     """How many 16-bit rows after the sink a layer holds at `count` tokens."""
     window = app_window(scheme)
-    return max(0, count - max(quantized_at(count, window), scheme.sink))
+    return max(0, count - max(quantized_at(count, window, flush_block(scheme)), scheme.sink))
 
 
 class MixedKVCache:
@@ -144,7 +152,7 @@ class MixedKVCache:
         self.count = left
         self.offset -= n
         if not self.front_moves():
-            self._unflush(quantized_at(left, self.scheme.window))
+            self._unflush(quantized_at(left, self.scheme.window, flush_block(self.scheme)))
         return n
 
     def _unflush(self, until: int) -> None:
@@ -265,14 +273,24 @@ class MixedKVCache:
 
     def extend(self, keys: mx.array, values: mx.array) -> None:
         """Store tokens (without counting them in `offset`)."""
+        block = flush_block(self.scheme)
+        if block == 1 and not self.sink_size and not self.scheme.window:
+            # Nothing is held apart in 16 bits: the tokens go to the bulk as they come,
+            # and the 16-bit stores hold an empty buffer (what attention reads of them).
+            for part, x in enumerate((keys, values)):
+                self.bulk[part].append_encoded(self.bulk[part].encode(x))
+                if not self.exact[part].buffers:
+                    self.exact[part].append_encoded([sixteen_bit(x[..., :0, :])])
+            self.count += keys.shape[2]
+            return
         for part, x in enumerate((keys, values)):
             self.exact[part].append_encoded([sixteen_bit(x)])
         self.count += keys.shape[2]
-        if self.front_moves():
-            if self._tail_rows() > self.scheme.window + FLUSH:
+        if self.front_moves():  # the tail may run FLUSH past the window, a 16-bit one not
+            if self._tail_rows() > self.scheme.window + (0 if block == 1 else FLUSH):
                 self._flush(self.count - self.scheme.window)
-        elif quantized_at(self.count, self.scheme.window) > self.quantized():
-            self._flush(quantized_at(self.count, self.scheme.window))
+        elif (until := quantized_at(self.count, self.scheme.window, block)) > self.quantized():
+            self._flush(until)
 
     def _flush(self, until: int) -> None:
         """Quantize positions [q, until) and drop their 16-bit tail rows."""
@@ -376,7 +394,8 @@ class MixedKVCache:
         tails = [named.get(f"t{count}{prefix}") for prefix in "kv"]
         if any(t is None for t in tails) or tails[0].shape[3] != tail_rows_at(count, scheme):
             tails = [None, None]
-        quantized = count if tails[0] is None else quantized_at(count, scheme.window)
+        block = flush_block(scheme)
+        quantized = count if tails[0] is None else quantized_at(count, scheme.window, block)
         sink_rows = min(layers[0].sink_size, count)
         for part, prefix in enumerate("kv"):
             parts = 1 if layers[0].bulk[part].bits is None else 3

@@ -77,12 +77,13 @@ def scheme_for(bits: int | None, group_size: int = 64) -> KVScheme | None:
 
 
 def usable_format(stored: str, wanted: KVScheme | None) -> bool:
-    """Whether a cache saved as `stored` can serve the `wanted` scheme: a
-    full-precision one always can (quantizing it is lossless with respect to a
-    fresh run); a quantized one only the same scheme."""
+    """Whether a cache stored as `stored` (saved, or in memory) can serve the `wanted`
+    scheme: a full-precision one always can (quantizing it is lossless with respect
+    to a fresh run), the CPU path's float16 (`SIXTEEN_BIT`) any of ours, a quantized
+    one only the same scheme."""
     if stored in ("float32", "float16", "bfloat16"):
         return True
-    return wanted is not None and stored == wanted.format
+    return wanted is not None and stored in (wanted.format, SIXTEEN_BIT.format)
 
 
 def parse_format(text: str) -> KVScheme:

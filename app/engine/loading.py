@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.models.cache import KVCache
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -63,9 +64,15 @@ class LoadedModel:
         """What each layer caches per token (`codecs.LayerShape`, None for a layer that
         is not plain attention): one token through the model, once per load, so that a
         restore does not pay for it while the user waits."""
-        from app.engine.codecs import layer_shapes  # codecs reads caches, a layer above
+        return [shape if kind is KVCache else None for kind, shape in self.attention_shapes]
 
-        return layer_shapes(self.model)
+    @cached_property
+    def attention_shapes(self) -> list:
+        """Per layer, its cache class and what it caches per token, sliding windows too
+        (`codecs.attention_shapes`): what a restored checkpoint is checked against."""
+        from app.engine.codecs import attention_shapes  # codecs reads caches, a layer above
+
+        return attention_shapes(self.model)
 
     @property
     def head_dim(self) -> int:

@@ -190,26 +190,29 @@ def _array(tensors: dict[str, mx.array], name: str) -> mx.array:
     return from_stored(tensors[name])
 
 
-def restore(template: list, tensors: dict[str, mx.array], layout_json: str) -> list:
+def restore(
+    template: list, tensors: dict[str, mx.array], layout_json: str, shapes: list | None = None
+) -> list:
     """Put a whole snapshot back into the model's fresh cache objects `template`."""
-    cache, in_chunks = restore_checkpoint(template, tensors, layout_json)
+    cache, in_chunks = restore_checkpoint(template, tensors, layout_json, shapes)
     if in_chunks:
         raise CacheRejected("a snapshot that leaves layers to token chunks")
     return cache
 
 
 def restore_checkpoint(
-    template: list, tensors: dict[str, mx.array], layout_json: str
+    template: list, tensors: dict[str, mx.array], layout_json: str, shapes: list | None = None
 ) -> tuple[list, dict[int, str]]:
     """Put a checkpoint back into the model's fresh cache objects `template`; the parts
-    token chunks hold stay fresh, and come back as {slot: class the layout names}."""
+    token chunks hold stay fresh, and come back as {slot: class the layout names}.
+    `shapes`: the model's `attention_shapes`, which every attention layer must match."""
     try:
         layout = json.loads(layout_json)
     except ValueError as exc:
         raise CacheRejected("unreadable snapshot layout") from exc
     if not isinstance(layout, list) or len(layout) != len(template):
         raise CacheRejected("layer count does not match the model")
-    restored = _Restored(tensors)
+    restored = _Restored(tensors, shapes)
     cache = [restored.layer(layer, spec) for layer, spec in zip(template, layout, strict=True)]
     if restored.used != set(tensors):
         raise CacheRejected("tensor count does not match the layout")
@@ -219,8 +222,8 @@ def restore_checkpoint(
 class _Restored:
     """What a checkpoint restore has met so far: tensors used, parts left to chunks."""
 
-    def __init__(self, tensors: dict[str, mx.array]) -> None:
-        self.tensors, self.used = tensors, set()
+    def __init__(self, tensors: dict[str, mx.array], shapes: list | None) -> None:
+        self.tensors, self.used, self.shapes = tensors, set(), shapes
         self.in_chunks: dict[int, str] = {}
         self.slot = 0
 
@@ -242,7 +245,10 @@ class _Restored:
                 raise CacheRejected(f"a {name} layer left to chunks where the model has none")
             self.in_chunks[slot] = name
             return layer
-        return _restore_layer(layer, name, spec, self.tensors, self.used)
+        restored = _restore_layer(layer, name, spec, self.tensors, self.used)
+        if self.shapes is not None and slot < len(self.shapes):
+            _check_shape(name, restored, self.shapes[slot][1])
+        return restored
 
 
 def _restore_layer(layer, name, spec: dict, tensors: dict[str, mx.array], used: set[str]):
@@ -274,13 +280,62 @@ def _restore_layer(layer, name, spec: dict, tensors: dict[str, mx.array], used: 
         state[0] = list(slots)  # the model assigns into it
     try:
         layer.state = tuple(state)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, AttributeError, IndexError) as exc:  # text for an array
         raise CacheRejected(f"a {name} layer does not take this state ({exc})") from exc
     _check_counts(name, layer)
     for size, value in sizes.items():  # the model's window, kept tokens or chunk size
         if getattr(layer, size, None) != value:
             raise CacheRejected(f"a {name} layer with another {size} than the model's")
     return layer
+
+
+def _check_shape(name: str, layer, expected) -> None:
+    """A restored attention layer holds what the model's does per token (heads, key and
+    value widths; `expected` from `attention_shapes`), in arrays of the types its class
+    keeps: otherwise the next turn would fail inside the model, or read nonsense."""
+    held = _held_shape(layer)
+    if held is None:
+        return
+    if expected is None or held != (expected.heads, expected.key_dim, expected.value_dim):
+        raise CacheRejected(f"a {name} layer shaped {held} where the model's is another")
+
+
+def _held_shape(layer) -> tuple[int, int, int] | None:
+    """(heads, key width, value width) of what `layer` holds; None for a layer that holds
+    no keys (a recurrent state, a part left to chunks)."""
+    if isinstance(layer, MixedKVCache):
+        return _mixed_shape(layer)
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+        return None
+    return keys.shape[1], keys.shape[3], values.shape[3]
+
+
+def _mixed_shape(layer: MixedKVCache) -> tuple[int, int, int] | None:
+    """Heads and widths of a `MixedKVCache`, every buffer of both halves agreeing (4-D,
+    batch 1, 16-bit rows in a 16-bit type, codes as uint32)."""
+    heads, widths = set(), []
+    for part in (0, 1):
+        found = set()
+        for store in (layer.bulk[part], layer.exact[part]):
+            for i, buffer in enumerate(store.buffers):
+                if buffer.ndim != 4 or buffer.shape[0] != 1:
+                    raise CacheRejected("a MixedKVCache layer with arrays of the wrong rank")
+                codes = store.bits is not None and i == 0
+                wanted = (mx.uint32,) if codes else (mx.float16, mx.bfloat16)
+                if buffer.dtype not in wanted:
+                    raise CacheRejected(f"a MixedKVCache layer holding {buffer.dtype}")
+                heads.add(buffer.shape[1])
+                if i == 0:
+                    found.add(buffer.shape[3] * 32 // store.bits if codes else buffer.shape[3])
+        if len(found) > 1:
+            raise CacheRejected("a MixedKVCache layer whose rows differ in width")
+        widths.append(found.pop() if found else None)
+    if len(heads) > 1:
+        raise CacheRejected("a MixedKVCache layer whose rows differ in heads")
+    if not heads or None in widths:
+        return None
+    return heads.pop(), widths[0], widths[1]
 
 
 # A layer's counts and sizes: a setter takes whatever the state holds, and an array (or
