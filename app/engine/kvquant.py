@@ -46,10 +46,12 @@ from app.engine.tokenstore import TokenStore, as_dtype, joined, layer_rows, sixt
 FLUSH = 32  # tokens quantized at a time once older than the window
 
 
-def quantized_at(count: int, window: int, block: int = FLUSH) -> int:
-    """How many positions a layer holds quantized once `count` are stored: whole
-    blocks (`flush_block`) of tokens older than the window. A function of the count
-    alone, however the tokens arrived, so a cache rebuilt from its files is the live one."""
+def quantized_at(count: int, window: int, scheme: KVScheme) -> int:
+    """How many positions a layer of `scheme` holds quantized once `count` are stored:
+    whole blocks (`flush_block`) of tokens older than the window. A function of the
+    count alone, however the tokens arrived, so a cache rebuilt from its files is the
+    live one."""
+    block = flush_block(scheme)
     return max(0, (count - window) // block * block)
 
 
@@ -73,7 +75,7 @@ def app_window(scheme: KVScheme) -> int:
 def tail_rows_at(count: int, scheme: KVScheme) -> int:
     """How many 16-bit rows after the sink a layer holds at `count` tokens."""
     window = app_window(scheme)
-    return max(0, count - max(quantized_at(count, window, flush_block(scheme)), scheme.sink))
+    return max(0, count - max(quantized_at(count, window, scheme), scheme.sink))
 
 
 class MixedKVCache:
@@ -152,7 +154,7 @@ class MixedKVCache:
         self.count = left
         self.offset -= n
         if not self.front_moves():
-            self._unflush(quantized_at(left, self.scheme.window, flush_block(self.scheme)))
+            self._unflush(quantized_at(left, self.scheme.window, self.scheme))
         return n
 
     def _unflush(self, until: int) -> None:
@@ -289,8 +291,10 @@ class MixedKVCache:
         if self.front_moves():  # the tail may run FLUSH past the window, a 16-bit one not
             if self._tail_rows() > self.scheme.window + (0 if block == 1 else FLUSH):
                 self._flush(self.count - self.scheme.window)
-        elif (until := quantized_at(self.count, self.scheme.window, block)) > self.quantized():
-            self._flush(until)
+        else:
+            until = quantized_at(self.count, self.scheme.window, self.scheme)
+            if until > self.quantized():
+                self._flush(until)
 
     def _flush(self, until: int) -> None:
         """Quantize positions [q, until) and drop their 16-bit tail rows."""
@@ -394,8 +398,7 @@ class MixedKVCache:
         tails = [named.get(f"t{count}{prefix}") for prefix in "kv"]
         if any(t is None for t in tails) or tails[0].shape[3] != tail_rows_at(count, scheme):
             tails = [None, None]
-        block = flush_block(scheme)
-        quantized = count if tails[0] is None else quantized_at(count, scheme.window, block)
+        quantized = count if tails[0] is None else quantized_at(count, scheme.window, scheme)
         sink_rows = min(layers[0].sink_size, count)
         for part, prefix in enumerate("kv"):
             parts = 1 if layers[0].bulk[part].bits is None else 3

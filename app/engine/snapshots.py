@@ -190,11 +190,9 @@ def _array(tensors: dict[str, mx.array], name: str) -> mx.array:
     return from_stored(tensors[name])
 
 
-def restore(
-    template: list, tensors: dict[str, mx.array], layout_json: str, shapes: list | None = None
-) -> list:
+def restore(template: list, tensors: dict[str, mx.array], layout_json: str) -> list:
     """Put a whole snapshot back into the model's fresh cache objects `template`."""
-    cache, in_chunks = restore_checkpoint(template, tensors, layout_json, shapes)
+    cache, in_chunks = restore_checkpoint(template, tensors, layout_json)
     if in_chunks:
         raise CacheRejected("a snapshot that leaves layers to token chunks")
     return cache
@@ -246,7 +244,7 @@ class _Restored:
             self.in_chunks[slot] = name
             return layer
         restored = _restore_layer(layer, name, spec, self.tensors, self.used)
-        if self.shapes is not None and slot < len(self.shapes):
+        if self.shapes is not None:
             _check_shape(name, restored, self.shapes[slot][1])
         return restored
 
