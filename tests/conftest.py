@@ -17,6 +17,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import app.engine  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 import tiny
 
+# The window's fixtures (`library`, `open_window`) for every GUI test file.
+pytest_plugins = ("gui_window",)
+
 STARTER_NAME = "SmolLM2-135M-Instruct"
 # Where `make` unpacks the starter wheel.
 DEFAULT_STARTER_GGUF = (

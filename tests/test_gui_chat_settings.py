@@ -3,9 +3,9 @@ defaults and which model the chat was made with; the dialog edits them by keyboa
 
 from __future__ import annotations
 
+from gui_window import READY_MS, send, when_a_box_opens
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
-from test_gui import READY_MS, library, open_window, send, when_a_box_opens  # noqa: F401
 
 from app.service.preferences import Preferences
 from app.ui.chat_header import ChatHeader
@@ -106,7 +106,7 @@ def test_escape_cancels_and_use_defaults_resets(qtbot):
     assert dialog.chosen == ChatOverrides()
 
 
-def test_chat_settings_from_the_header_reach_the_next_turn(qtbot, open_window):  # noqa: F811
+def test_chat_settings_from_the_header_reach_the_next_turn(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=20)
     assert window.header.settings.isEnabled()
@@ -134,7 +134,7 @@ def test_chat_settings_from_the_header_reach_the_next_turn(qtbot, open_window): 
     assert window.status.stats.text().endswith("MB · 4-bit")
 
 
-def test_a_chat_of_another_model_offers_to_switch_to_it(qtbot, open_window, tiny_model_dir):  # noqa: F811
+def test_a_chat_of_another_model_offers_to_switch_to_it(qtbot, open_window, tiny_model_dir):
     (paths.models_dir() / "tiny").symlink_to(tiny_model_dir)
     window = open_window()
     starter = window.models.current()

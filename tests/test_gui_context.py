@@ -3,10 +3,8 @@ message that will not fit is stopped before it is sent, with a way forward."""
 
 from __future__ import annotations
 
-from test_gui import (  # noqa: F401
+from gui_window import (
     READY_MS,
-    library,
-    open_window,
     prefer,
     send,
     start_long_reply,
@@ -28,7 +26,7 @@ def wait_meter(qtbot, window, draft: str):
     return window.meter.use
 
 
-def test_the_meter_counts_the_chat_and_the_draft(qtbot, open_window):  # noqa: F811
+def test_the_meter_counts_the_chat_and_the_draft(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=8)
     window.composer.edit.setPlainText(WORDS)
@@ -39,7 +37,7 @@ def test_the_meter_counts_the_chat_and_the_draft(qtbot, open_window):  # noqa: F
     )
 
 
-def test_a_message_too_long_for_a_new_chat_is_not_sent(qtbot, open_window):  # noqa: F811
+def test_a_message_too_long_for_a_new_chat_is_not_sent(qtbot, open_window):
     window = open_window()
     prefer(window, max_context=16)
     long = " ".join([WORDS] * 3)
@@ -53,7 +51,7 @@ def test_a_message_too_long_for_a_new_chat_is_not_sent(qtbot, open_window):  # n
     assert not window.meter.fresh.isVisible()  # a new chat would not help
 
 
-def test_a_nearly_full_chat_says_so_before_it_overflows(qtbot, open_window):  # noqa: F811
+def test_a_nearly_full_chat_says_so_before_it_overflows(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=8)
     window.composer.edit.setPlainText(WORDS)
@@ -66,7 +64,7 @@ def test_a_nearly_full_chat_says_so_before_it_overflows(qtbot, open_window):  # 
     assert "Nearly full: a long reply may be cut" in window.meter.label.text()
 
 
-def test_a_message_that_overflows_the_chat_goes_to_a_new_one(qtbot, open_window):  # noqa: F811
+def test_a_message_that_overflows_the_chat_goes_to_a_new_one(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=16)
     first = window.conversation_id
@@ -90,7 +88,7 @@ def test_a_message_that_overflows_the_chat_goes_to_a_new_one(qtbot, open_window)
 
 def test_while_editing_the_meter_counts_the_chat_before_the_edited_message(
     qtbot,
-    open_window,  # noqa: F811
+    open_window,
 ):
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=8)
@@ -117,7 +115,7 @@ def test_while_editing_the_meter_counts_the_chat_before_the_edited_message(
     assert window.meter.use.conversation > first_exchange.conversation + first_exchange.draft
 
 
-def test_an_edit_that_will_not_fit_stays_in_the_composer(qtbot, open_window):  # noqa: F811
+def test_an_edit_that_will_not_fit_stays_in_the_composer(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=8)
     question = window.chat.messages[0].id
@@ -148,7 +146,7 @@ def live_count(window) -> int | None:
     return int(text.split("≈")[1].split()[0].replace(",", ""))
 
 
-def test_the_meter_counts_a_streaming_reply_as_it_comes(qtbot, open_window):  # noqa: F811
+def test_the_meter_counts_a_streaming_reply_as_it_comes(qtbot, open_window):
     window = open_window()
     start_long_reply(qtbot, window)
     qtbot.waitUntil(lambda: live_count(window) is not None, timeout=READY_MS)

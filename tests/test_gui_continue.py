@@ -3,10 +3,8 @@ figures are the streaming reply's own, and go when the view changes."""
 
 from __future__ import annotations
 
-from test_gui import (  # noqa: F401
+from gui_window import (
     READY_MS,
-    library,
-    open_window,
     prefer,
     send,
     wait_reply,
@@ -20,7 +18,7 @@ def continue_link(window, message_id: int) -> str:
     return action_href(window.chat._token, "continue", message_id)
 
 
-def test_a_cut_reply_is_marked_and_continues_in_place(qtbot, open_window):  # noqa: F811
+def test_a_cut_reply_is_marked_and_continues_in_place(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Write a long story about a lighthouse keeper.", greedy_tokens=6)
     cut = window.chat.messages[-1]
@@ -41,7 +39,7 @@ def test_a_cut_reply_is_marked_and_continues_in_place(qtbot, open_window):  # no
     assert window.chat.messages[-1].content == stored[-1].content
 
 
-def test_a_stopped_reply_can_be_continued_or_regenerated(qtbot, open_window):  # noqa: F811
+def test_a_stopped_reply_can_be_continued_or_regenerated(qtbot, open_window):
     window = open_window()
     prefer(window, temperature=0.0, max_tokens=2000)  # greedy: the same long story each run
     window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
@@ -56,7 +54,7 @@ def test_a_stopped_reply_can_be_continued_or_regenerated(qtbot, open_window):  #
     assert action_href(window.chat._token, "regenerate", 0) in html
 
 
-def test_the_status_bar_counts_the_streaming_reply(qtbot, open_window):  # noqa: F811
+def test_the_status_bar_counts_the_streaming_reply(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=8)
     assert "tok/s" in window.status.stats.text()  # the finished turn's figures

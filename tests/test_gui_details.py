@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from test_gui import library, open_window, prefer, send  # noqa: F401
+from gui_window import prefer, send
 
 from app.ui.chat_view import ChatView
 from app.ui.preferences import PreferencesDialog
@@ -13,7 +13,7 @@ from app.ui.reading import export_name
 from app.ui.render import RenderedMessage
 
 
-def test_the_status_bar_names_the_kv_setting_as_preferences_do(qtbot, open_window):  # noqa: F811
+def test_the_status_bar_names_the_kv_setting_as_preferences_do(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=6)
     dialog = PreferencesDialog(window.preferences(), 0)
@@ -52,7 +52,7 @@ def test_export_names_are_safe_file_names():
     assert len(export_name("word " * 100)) <= 80
 
 
-def test_the_two_cache_sizes_say_which_is_which(qtbot, open_window):  # noqa: F811
+def test_the_two_cache_sizes_say_which_is_which(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=6)
     assert "in memory " in window.status.stats.text()
@@ -88,7 +88,7 @@ def test_a_message_longer_than_the_context_is_not_offered_a_new_chat(qtbot):
     assert meter.label.text().endswith("or send it in a new chat.")
 
 
-def test_an_export_says_where_it_went(qtbot, open_window, tmp_path, monkeypatch):  # noqa: F811
+def test_an_export_says_where_it_went(qtbot, open_window, tmp_path, monkeypatch):
     from PySide6.QtWidgets import QFileDialog
 
     target = tmp_path / "chat.md"

@@ -3,19 +3,17 @@ all listed in the Help menu."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import QApplication, QInputDialog, QTableWidget
-from test_gui import (  # noqa: F401
+from gui_window import (
     READY_MS,
-    library,
-    open_window,
     prefer,
     send,
     wait_reply,
     wait_streaming,
     when_a_box_opens,
 )
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QApplication, QInputDialog, QTableWidget
 
 from app import __version__
 from app.ui.menus import about_text, shortcut_list
@@ -30,7 +28,7 @@ def active(qtbot, window):
     return window
 
 
-def test_tab_leaves_the_message_box(qtbot, open_window):  # noqa: F811
+def test_tab_leaves_the_message_box(qtbot, open_window):
     window = active(qtbot, open_window())
     box = window.composer.edit
     box.setFocus()
@@ -42,7 +40,7 @@ def test_tab_leaves_the_message_box(qtbot, open_window):  # noqa: F811
     assert box.hasFocus()
 
 
-def test_escape_stops_a_reply(qtbot, open_window):  # noqa: F811
+def test_escape_stops_a_reply(qtbot, open_window):
     window = active(qtbot, open_window())
     prefer(window, temperature=0.0, max_tokens=2000)  # greedy: the same long story each run
     window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
@@ -53,7 +51,7 @@ def test_escape_stops_a_reply(qtbot, open_window):  # noqa: F811
     assert window.store.get(window.conversation_id).messages[-1].state == "cancelled"
 
 
-def test_shortcuts_copy_switch_chats_and_find(qtbot, open_window):  # noqa: F811
+def test_shortcuts_copy_switch_chats_and_find(qtbot, open_window):
     window = active(qtbot, open_window())
     send(qtbot, window, "Tell me about penguins.", greedy_tokens=8)
     first = window.conversation_id
@@ -78,7 +76,7 @@ def test_shortcuts_copy_switch_chats_and_find(qtbot, open_window):  # noqa: F811
     assert window.chat.messages[-1].branch == (2, 2)
 
 
-def test_the_help_menu_lists_the_shortcuts_and_the_version(qtbot, open_window):  # noqa: F811
+def test_the_help_menu_lists_the_shortcuts_and_the_version(qtbot, open_window):
     window = open_window()
     menus = [a.text() for a in window.menuBar().actions()]
     assert menus == ["&File", "&Chat", "&Help"]
@@ -96,7 +94,7 @@ def test_the_help_menu_lists_the_shortcuts_and_the_version(qtbot, open_window): 
     assert window.windowTitle() == f"Reprise {__version__}"
 
 
-def test_the_shortcuts_are_a_table_of_keys_and_what_they_do(qtbot, open_window):  # noqa: F811
+def test_the_shortcuts_are_a_table_of_keys_and_what_they_do(qtbot, open_window):
     window = active(qtbot, open_window())
     shown = []
 
@@ -123,7 +121,7 @@ def test_the_shortcuts_are_a_table_of_keys_and_what_they_do(qtbot, open_window):
     assert keys_width > longest
 
 
-def test_f2_renames_the_chat_on_screen_without_the_mouse(qtbot, open_window, monkeypatch):  # noqa: F811
+def test_f2_renames_the_chat_on_screen_without_the_mouse(qtbot, open_window, monkeypatch):
     window = active(qtbot, open_window())
     send(qtbot, window, "Hello", greedy_tokens=3)
     monkeypatch.setattr(QInputDialog, "getText", lambda *args, **kw: ("Greetings", True))
@@ -135,7 +133,7 @@ def test_f2_renames_the_chat_on_screen_without_the_mouse(qtbot, open_window, mon
     assert "Ctrl+Shift+D\tDelete this chat" in shortcut_list(window)
 
 
-def test_escape_stops_a_reply_wherever_focus_is(qtbot, open_window):  # noqa: F811
+def test_escape_stops_a_reply_wherever_focus_is(qtbot, open_window):
     window = active(qtbot, open_window())
     prefer(window, temperature=0.0, max_tokens=2000)  # greedy: the same long story each run
     for place in (window.chat, window.sidebar.list, window.sidebar.search):
@@ -152,7 +150,7 @@ def test_escape_stops_a_reply_wherever_focus_is(qtbot, open_window):  # noqa: F8
     assert window.store.get(window.conversation_id).messages[-1].state == "cancelled"
 
 
-def test_alt_letters_open_the_menus_from_the_message_box(qtbot, open_window):  # noqa: F811
+def test_alt_letters_open_the_menus_from_the_message_box(qtbot, open_window):
     window = active(qtbot, open_window())
     box = window.composer.edit
     box.setFocus()
@@ -170,7 +168,7 @@ def test_alt_letters_open_the_menus_from_the_message_box(qtbot, open_window):  #
     assert box.toPlainText() == ""
 
 
-def test_keyboard_only_regenerates_through_the_reply_s_link(qtbot, open_window):  # noqa: F811
+def test_keyboard_only_regenerates_through_the_reply_s_link(qtbot, open_window):
     window = active(qtbot, open_window())
     send(qtbot, window, "Tell me about penguins.", greedy_tokens=8)
     window.composer.edit.setFocus()
@@ -185,7 +183,7 @@ def test_keyboard_only_regenerates_through_the_reply_s_link(qtbot, open_window):
     assert window.chat.messages[-1].branch == (2, 2)
 
 
-def test_escape_in_the_search_box_clears_the_search(qtbot, open_window):  # noqa: F811
+def test_escape_in_the_search_box_clears_the_search(qtbot, open_window):
     window = active(qtbot, open_window())
     window.sidebar.search.setFocus()
     qtbot.keyClicks(window.sidebar.search, "lighthouse")
@@ -202,7 +200,7 @@ def answer_the_box(qtbot, press, title: str) -> list:
 
 def test_enter_in_the_delete_box_keeps_the_chat_and_deleting_the_open_one_clears_it(
     qtbot,
-    open_window,  # noqa: F811
+    open_window,
 ):
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=4)
@@ -218,7 +216,7 @@ def test_enter_in_the_delete_box_keeps_the_chat_and_deleting_the_open_one_clears
     assert window.chat.messages == [] and window.sidebar.list.count() == 0
 
 
-def test_f1_opens_the_keyboard_shortcuts(qtbot, open_window):  # noqa: F811
+def test_f1_opens_the_keyboard_shortcuts(qtbot, open_window):
     window = active(qtbot, open_window())
     titles = []
     when_a_box_opens(lambda box: titles.append(box.windowTitle()) or box.close())

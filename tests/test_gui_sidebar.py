@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import date
 
-from test_gui import library, open_window, send  # noqa: F401
+from gui_window import send
 
 from app.ui.reading import sidebar_entries
 from app.ui.sidebar import MARKED_ROLE, Sidebar, SidebarEntry, day_label, marked, snippet
@@ -29,7 +29,7 @@ def test_a_snippet_is_the_text_around_the_match():
     assert snippet("short text", "absent") == "short text"
 
 
-def test_the_list_shows_days_and_search_snippets(qtbot, open_window):  # noqa: F811
+def test_the_list_shows_days_and_search_snippets(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Tell me about penguins in the snow.", greedy_tokens=8)
     first, second = window.sidebar.list.item(0).text().splitlines()[:2]
@@ -96,7 +96,7 @@ def test_the_matching_words_are_bold_in_the_result(qtbot):
     assert bold != plain
 
 
-def test_opening_a_match_on_a_hidden_branch_shows_that_branch(qtbot, open_window):  # noqa: F811
+def test_opening_a_match_on_a_hidden_branch_shows_that_branch(qtbot, open_window):
     branched_chat()  # in the app's database, before the window opens
     window = open_window()
     shown = lambda: [m.content for m in window.chat.messages]  # noqa: E731
@@ -113,7 +113,7 @@ def test_opening_a_match_on_a_hidden_branch_shows_that_branch(qtbot, open_window
     assert "Albatrosses glide over the ocean." in shown()
 
 
-def test_search_results_open_from_the_keyboard(qtbot, open_window):  # noqa: F811
+def test_search_results_open_from_the_keyboard(qtbot, open_window):
     """Down (or Enter) in the search box opens the first result; Enter on a row in the
     list opens it."""
     from PySide6.QtCore import Qt
@@ -143,7 +143,7 @@ def test_search_results_open_from_the_keyboard(qtbot, open_window):  # noqa: F81
     qtbot.waitUntil(lambda: window.conversation_id not in (None, first), timeout=10_000)
 
 
-def test_a_chat_clicked_in_the_list_is_ready_to_type_into(qtbot, open_window):  # noqa: F811
+def test_a_chat_clicked_in_the_list_is_ready_to_type_into(qtbot, open_window):
     """Found on a new-user walk: after a click on a chat the keyboard stayed in the list,
     so typing did nothing until the message box was clicked too."""
     from PySide6.QtCore import Qt
@@ -163,7 +163,7 @@ def test_a_chat_clicked_in_the_list_is_ready_to_type_into(qtbot, open_window):  
     assert QApplication.focusWidget() is window.composer.edit
 
 
-def test_a_count_or_restore_asked_for_a_chat_just_deleted_says_nothing(qtbot, open_window):  # noqa: F811
+def test_a_count_or_restore_asked_for_a_chat_just_deleted_says_nothing(qtbot, open_window):
     """The window asks for the context count a moment after typing, and for a
     restore on selection; a chat deleted in between is no error for the user (CI
     found 'No conversation 1' in a box after deleting the open chat)."""

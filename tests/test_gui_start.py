@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from test_gui import READY_MS, library, prefer, wait_reply  # noqa: F401  (fixtures)
+from gui_window import READY_MS, prefer, wait_reply
 
 from app.ui.main_window import MainWindow
 
@@ -53,7 +53,7 @@ def test_the_window_thread_never_imports_mlx(tmp_path):
     assert "imported on the GUI thread: []" in done.stdout, done.stderr[-2000:]
 
 
-def test_a_message_typed_while_the_model_loads_is_answered(qtbot, library):  # noqa: F811
+def test_a_message_typed_while_the_model_loads_is_answered(qtbot, library):
     window = MainWindow()
     qtbot.addWidget(window)
     window.show()
@@ -85,7 +85,7 @@ def test_with_no_model_the_window_says_where_to_add_one(qtbot, monkeypatch):
     window.close()
 
 
-def test_a_restart_reopens_the_last_chat_and_restores_its_cache(qtbot, library):  # noqa: F811
+def test_a_restart_reopens_the_last_chat_and_restores_its_cache(qtbot, library):
     window = MainWindow()
     qtbot.addWidget(window)
     window.show()

@@ -7,7 +7,6 @@ from pygments.styles import get_style_by_name
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
 from PySide6.QtWidgets import QApplication, QLineEdit, QVBoxLayout, QWidget
-from test_gui import library, open_window  # noqa: F401
 
 from app.service.preferences import InvalidPreference, Preferences
 from app.ui import theme
@@ -51,7 +50,7 @@ def seed_conversation() -> None:
     store.add_message(chat.id, "assistant", CODE, parent_id=question.id)
 
 
-def test_the_theme_preference_round_trips_and_a_bad_one_is_system(qtbot, open_window):  # noqa: F811
+def test_the_theme_preference_round_trips_and_a_bad_one_is_system(qtbot, open_window):
     settings = Settings(open_db())
     Preferences(theme="dark").save(settings)
     assert Preferences.load(settings).theme == "dark"
@@ -67,7 +66,7 @@ def test_the_theme_preference_round_trips_and_a_bad_one_is_system(qtbot, open_wi
     assert "desktop" in dialog.theme.toolTip()
 
 
-def test_choosing_dark_in_preferences_recolours_the_open_window(qtbot, open_window):  # noqa: F811
+def test_choosing_dark_in_preferences_recolours_the_open_window(qtbot, open_window):
     seed_conversation()
     window = open_window()
     window.sidebar.list.setCurrentRow(0)
