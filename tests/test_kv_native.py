@@ -262,3 +262,23 @@ def test_a_short_turn_over_float16_rows_matches_the_oracle(rows):
     keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
     want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask="causal")
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
+def test_a_short_turn_reads_a_buffer_laid_out_as_its_first_update():
+    """A store whose first update filled its buffer whole holds that update's layout
+    (mlx keeps it: a model's values arrive transposed), so its tokens are not one run
+    of memory; after a trim (a regenerated reply) the next turn fits without regrowing
+    and still attends to what the oracle does."""
+    layer = MixedKVCache(SIXTEEN_BIT)
+    keys, values = (
+        mx.random.normal((1, 256, 2, 64), key=mx.random.key(k)).transpose(0, 2, 1, 3)
+        for k in (1, 2)
+    )
+    layer.update_and_fetch(keys, values)
+    layer.trim(5)
+    layer.update_and_fetch(keys[..., -5:, :], values[..., -5:, :])
+    queries = mx.random.normal((1, 6, 5, 64), key=mx.random.key(3))
+    got = layer.attend(queries, 0.125, "causal")
+    keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask="causal")
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()

@@ -105,6 +105,10 @@ def widened(store, start: int, end: int) -> mx.array | None:
         return None  # (bfloat16 rows, from a file: numpy has no such type)
     mx.eval(store.buffers)
     rows = np.asarray(store.buffers[0])[:, :, store.span(start, end)]
+    if rows.strides[2] != rows.strides[3] * rows.shape[3]:
+        # A buffer whose first update covered it whole keeps that update's layout in
+        # mlx (a model's values are a transposed view): its tokens are not one run.
+        rows = np.ascontiguousarray(rows)
     # Into this thread's scratch, which mlx then copies into memory its allocator
     # reuses: a fresh array each call was pages the OS mapped anew every time.
     return mx.array(kvnative.widen_halves(rows, _scratch_for(rows.shape)))
