@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from tampering import as_format_3, rewrite_chunk
@@ -141,3 +142,23 @@ def test_a_file_that_lies_about_its_layers_is_refused_and_the_turn_recomputes(
     assert reason in finished.restore.rejected
     assert finished.text == fresh_reply(tiny_model, engine, conversation_id, options(bits))
     assert len(engine.store.get(conversation_id).messages) == 2 * len(TEXTS) + 2
+
+
+def test_a_restored_layer_takes_the_next_tokens_into_its_own_buffer(tiny_model):
+    """Each restored layer holds a buffer of its own with room after its tokens (the
+    CPU path's 16 bits, its tokens all in the bulk), so the next turn's tokens are
+    written in place: layers sharing one buffer of the run would each be copied whole
+    by the first token, before the reopened reply could start."""
+    cache = restored(tiny_model, saved(tiny_model, None))
+
+    def addresses() -> list[int]:
+        buffers = [store.buffers[0] for layer in cache for store in layer.bulk]
+        mx.eval(buffers)
+        return [np.asarray(buffer).ctypes.data for buffer in buffers]
+
+    before = addresses()
+    for layer in cache:
+        _, heads, _, width = layer.bulk[0].buffers[0].shape
+        row = mx.ones((1, heads, 1, width), mx.float32)
+        layer.update_and_fetch(row, row)
+    assert addresses() == before

@@ -9,11 +9,13 @@ run. The join then builds each run's layers at once, from one buffer per tensor.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import trim_prompt_cache
 
 from app.engine.codecs import CODECS, LayerShape, TensorSpec, check_run
 from app.engine.layer_runs import Run, label, single_layers, split_runs
-from app.engine.stored_arrays import from_stored
+from app.engine.stored_arrays import as_mlx, from_stored, joined_on_host
+from app.engine.tokenstore import joined, layer_rows
 from sessions.cachefiles import CacheRejected
 
 
@@ -71,10 +73,15 @@ class ChunkJoin:
         its last chunk holds past the restore's end; None for the others."""
         cache: list = [None] * len(self.shapes)
         for (first, last), named in self.pieces.items():
-            stored = {name: [from_stored(p) for p in parts] for name, parts in named.items()}
             codec = CODECS[self.classes[first]]
+            count = sum(piece.shape[3] for piece in named["k.0"])
+            capacity = codec.capacity(count)
+            joined = {
+                name: _joined(parts, capacity) if codec.joins(name) else as_mlx(parts[0])
+                for name, parts in named.items()
+            }
             # back to the type the model computes in
-            cache[first : last + 1] = codec.build(stored, self.fmt, self.shapes[first].dtype)
+            cache[first : last + 1] = codec.build(joined, count, self.fmt, self.shapes[first].dtype)
         built = [
             (CODECS[name], layer)
             for name, layer in zip(self.classes, cache, strict=True)
@@ -84,6 +91,17 @@ class ChunkJoin:
             trim_prompt_cache([layer for _, layer in built], overshoot)
         mx.eval([array for codec, layer in built for array in codec.arrays(layer)])
         return cache
+
+
+def _joined(pieces: list, capacity: int) -> list[mx.array]:
+    """A tensor's pieces, one a chunk (layers first, tokens on axis 3), as an array per
+    layer with zero rows after them up to `capacity` tokens: read into host memory,
+    each layer's its own buffer (`joined_on_host`); already in mlx memory (the GPU's),
+    joined there, each layer a view of the run's buffer (the first token after the
+    restore copies it, at the GPU's speed)."""
+    if isinstance(pieces[0], np.ndarray):
+        return joined_on_host(pieces, capacity)
+    return layer_rows(from_stored(joined(pieces, capacity)))
 
 
 def single_layers_of(pieces: dict[Run, dict[str, list]]) -> dict[Run, dict[str, list]]:

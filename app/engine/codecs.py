@@ -20,8 +20,8 @@ from app.engine.cache_keys import cache_parts
 from app.engine.kvquant import MixedKVCache, tail_rows_at
 from app.engine.kvscheme import KVScheme, parse_format
 from app.engine.layer_runs import Run, label, stack_runs
-from app.engine.stored_arrays import to_numpy
-from app.engine.tokenstore import STEP, joined, joined_rows
+from app.engine.stored_arrays import stored_type, to_numpy
+from app.engine.tokenstore import STEP, as_dtype
 from sessions.cachefiles import CacheRejected
 
 _SIXTEEN_STORED = (mx.float16, mx.uint16)  # bfloat16 is stored as its raw 16 bits
@@ -88,22 +88,31 @@ class PlainCodec:
             "v.0": TensorSpec((1, shape.heads, n, shape.value_dim), dtypes),
         }
 
+    def joins(self, name: str) -> bool:
+        """Whether every chunk holds tensor `name`, joined along the tokens to build."""
+        return True
+
+    def capacity(self, count: int) -> int:
+        """Tokens a built layer has room for: past `count` up to the next step, as
+        `KVCache` grows (no copy of the cache when the first new token arrives; a
+        buffer of the exact length would be regrown)."""
+        return (count // KVCache.step + 1) * KVCache.step
+
     def build(
-        self, parts: dict[str, list[mx.array]], fmt: str, compute: mx.Dtype | None = None
+        self, joined: dict[str, list], count: int, fmt: str, compute: mx.Dtype | None = None
     ) -> list[KVCache]:
-        """A run's layers from its chunks (layers first, tokens on axis 3), in the
-        `compute` type when it differs from the stored one (a 16-bit cache restored on
-        the float32 CPU path). The chunks are joined per half (`joined_rows`) with
-        room for the tokens after them as `KVCache` grows: no copy of the cache when
-        the first new token arrives (a buffer of the exact length would be regrown)."""
-        count = sum(chunk.shape[3] for chunk in parts["k.0"])
-        capacity = (count // KVCache.step + 1) * KVCache.step
-        dtype = compute or parts["k.0"][0].dtype
-        keys, values = (joined_rows(parts[n], capacity, dtype) for n in ("k.0", "v.0"))
+        """A run's layers from its tensors joined over the chunks (`joins`: an array per
+        layer, room for `capacity(count)` tokens); in the `compute` type when it differs
+        from the stored one (a 16-bit cache of an earlier version restored on the
+        float32 CPU path), converted layer by layer, each conversion small enough to
+        stay in the CPU's cache."""
+        keys, values = joined["k.0"], joined["v.0"]
+        dtype = compute or keys[0].dtype
         layers = []
         for row_keys, row_values in zip(keys, values, strict=True):
             layer = KVCache()
-            layer.keys, layer.values, layer.offset = row_keys, row_values, count
+            layer.keys, layer.values = as_dtype(row_keys, dtype), as_dtype(row_values, dtype)
+            layer.offset = count
             layers.append(layer)
         return layers
 
@@ -148,20 +157,28 @@ class MixedCodec:
                 specs[f"t{end}{part}"] = TensorSpec(shape_16, _SIXTEEN_STORED, optional=True)
         return specs
 
+    def joins(self, name: str) -> bool:
+        """Whether every chunk holds tensor `name` ("k.0", "v.2": codes, scales, biases
+        or float16 rows), joined along the tokens to build; the 16-bit sink ("sk") and
+        recent rows ("t<end>k") are one chunk's each."""
+        return name[1:2] == "."
+
+    def capacity(self, count: int) -> int:
+        """Tokens a built layer has room for: past `count` up to the next step."""
+        return (count // STEP + 1) * STEP
+
     def build(
-        self, parts: dict[str, list[mx.array]], fmt: str, compute: mx.Dtype | None = None
+        self,
+        joined: dict[str, list | mx.array],
+        count: int,
+        fmt: str,
+        compute: mx.Dtype | None = None,
     ) -> list[MixedKVCache]:
-        """A run's layers from its chunks (layers first, tokens on axis 3; their types
-        come from the scheme, not `compute`): each quantized tensor's chunks go into one
-        buffer with room for the tokens after them, the 16-bit sink is the first
-        chunk's and the recent rows the last one's."""
-        count = sum(chunk.shape[3] for chunk in parts["k.0"])
-        capacity = (count // STEP + 1) * STEP
-        named = {name: joined(chunks, capacity) for name, chunks in parts.items() if name[1] == "."}
-        for name in ("sk", "sv", f"t{count}k", f"t{count}v"):  # one chunk holds each
-            if name in parts:
-                named[name] = parts[name][0]
-        return MixedKVCache.from_quantized(scheme_of(fmt), named, count)
+        """A run's layers from its tensors (their types come from the scheme, not
+        `compute`): each quantized tensor joined over the chunks (`joins`: an array per
+        layer, with room for the tokens after them), the 16-bit sink the first chunk's
+        and the recent rows the last one's (layers first)."""
+        return MixedKVCache.from_quantized(scheme_of(fmt), joined, count)
 
     def arrays(self, layer: MixedKVCache) -> list[mx.array]:
         """What a built layer holds, to evaluate."""
@@ -240,9 +257,8 @@ def check_run(run: Run, named: dict, specs: dict[str, TensorSpec], previous: dic
         spec = specs[name]
         if tuple(array.shape) != (layers, *spec.shape):
             raise CacheRejected(f"{label(run)}: {name} has the wrong shape {tuple(array.shape)}")
-        if array.dtype not in spec.dtypes or (
-            name in previous and previous[name].dtype != array.dtype
-        ):
+        dtype = stored_type(array)
+        if dtype not in spec.dtypes or (name in previous and stored_type(previous[name]) != dtype):
             raise CacheRejected(f"{label(run)}: {name} has the wrong dtype {array.dtype}")
 
 

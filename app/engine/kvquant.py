@@ -386,15 +386,16 @@ class MixedKVCache:
 
     @classmethod
     def from_quantized(
-        cls, scheme: KVScheme, named: dict[str, mx.array], count: int
+        cls, scheme: KVScheme, named: dict[str, list | mx.array], count: int
     ) -> list[MixedKVCache]:
-        """Layers rebuilt from `quantized_tokens` of a whole cache of `count` tokens,
-        stacked along a first axis, a row per layer (a chunk file's run). The bulk's
-        arrays become the layers' buffers as they are, so they may hold room past
-        `count`. Without the 16-bit rows (a file written before they were saved) every
-        token comes back quantized."""
+        """Layers rebuilt from `quantized_tokens` of a whole cache of `count` tokens, for
+        a run of layers: the bulk's tensors ("k.0", "v.2") as an array per layer, which
+        become the layers' buffers as they are (so they may hold room past `count`); the
+        16-bit sink and recent rows stacked along a first axis, a row per layer (as a
+        chunk file holds them). Without the 16-bit rows (a file written before they were
+        saved) every token comes back quantized."""
         scheme = replace(scheme, window=app_window(scheme))
-        layers = [cls(scheme) for _ in range(named["k.0"].shape[0])]
+        layers = [cls(scheme) for _ in range(len(named["k.0"]))]
         tails = [named.get(f"t{count}{prefix}") for prefix in "kv"]
         if any(t is None for t in tails) or tails[0].shape[3] != tail_rows_at(count, scheme):
             tails = [None, None]
@@ -402,7 +403,7 @@ class MixedKVCache:
         sink_rows = min(layers[0].sink_size, count)
         for part, prefix in enumerate("kv"):
             parts = 1 if layers[0].bulk[part].bits is None else 3
-            bulk = [layer_rows(named[f"{prefix}.{n}"]) for n in range(parts)]
+            bulk = [named[f"{prefix}.{n}"] for n in range(parts)]
             sink = named.get(f"s{prefix}")
             rows = [sink[..., :sink_rows, :]] if sink is not None and sink_rows else []
             rows += [tails[part]] if tails[part] is not None else []

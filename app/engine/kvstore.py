@@ -50,7 +50,7 @@ from app.engine.codecs import (
 from app.engine.kvquant import tail_rows_at
 from app.engine.kvscheme import parse_format
 from app.engine.loading import LoadedModel
-from app.engine.stored_arrays import device_apart, load_mlx, to_device
+from app.engine.stored_arrays import device_apart, to_device
 from sessions.cachefiles import (
     CacheIndex,
     CacheRejected,
@@ -332,12 +332,13 @@ class KVStore:
         """Each chunk file's (tensors, metadata), checked, in order. Where the GPU has
         memory of its own, threads read and check the next files in host memory while
         the last one is copied to the device (`to_device`), so that reading the disk,
-        checksums and copies overlap; elsewhere mlx reads each file into its memory
-        while the disk reads on ahead (`read_ahead`)."""
+        checksums and copies overlap; elsewhere each file is read into host memory
+        while the disk reads on ahead (`read_ahead`), and the join copies its tensors
+        into the layers' buffers (`chunkjoin`)."""
         if not device_apart():
             read_ahead(paths)
             for path, wanted in zip(paths, expected, strict=True):
-                yield read_file(path, wanted, load=load_mlx)
+                yield read_file(path, wanted)
             return
         calls = list(zip(paths, expected, strict=True))
         for tensors, metadata in _read_in_threads(read_file, calls, _READ_AHEAD):

@@ -42,6 +42,50 @@ def from_stored(array: mx.array) -> mx.array:
     return array.view(mx.bfloat16) if array.dtype == mx.uint16 else array
 
 
+_FROM_NUMPY = {
+    np.dtype(t): m
+    for t, m in (
+        (np.float32, mx.float32),
+        (np.float16, mx.float16),
+        (np.uint32, mx.uint32),
+        (np.uint16, mx.uint16),
+    )
+}
+
+
+def stored_type(array) -> mx.Dtype | None:
+    """The mlx type of a tensor read from a file: an mlx array's own, a numpy array's
+    counterpart (None for a type no cache file holds)."""
+    return array.dtype if isinstance(array.dtype, mx.Dtype) else _FROM_NUMPY.get(array.dtype)
+
+
+def as_mlx(array) -> mx.array:
+    """A tensor read from a file as an mlx array (numpy ones copied), bfloat16 as such."""
+    return from_stored(array if isinstance(array, mx.array) else mx.array(array))
+
+
+def joined_on_host(chunks: list[np.ndarray], capacity: int) -> list[mx.array]:
+    """Chunks of a run of layers read into host memory (layers first, tokens on axis
+    3), joined per layer into an mlx array of its own with zero rows after them up to
+    `capacity` tokens. numpy copies each chunk into its place through the new arrays'
+    buffers: mlx would first load every file into arrays of its own and then join
+    those, twice the fresh memory, which costs more than the copies where the OS maps
+    it page by page. A layer's own buffer, not a view of the run's: a view is not
+    mlx's to update in place, so the first token after a restore would copy every
+    layer."""
+    count = sum(chunk.shape[3] for chunk in chunks)
+    heads, width = chunks[0].shape[2], chunks[0].shape[4]
+    shape, dtype = (chunks[0].shape[1], heads, capacity, width), stored_type(chunks[0])
+    layers = [mx.zeros(shape, dtype) for _ in range(chunks[0].shape[0])]
+    mx.eval(layers)
+    for i, layer in enumerate(layers):
+        # Writable and held by nothing else: it was just made.
+        np.concatenate(
+            [chunk[i] for chunk in chunks], axis=2, out=np.asarray(layer)[..., :count, :]
+        )
+    return [from_stored(layer) for layer in layers]
+
+
 def load_mlx(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
     """Read a cache file straight into mlx memory (cheaper here than fresh numpy buffers)."""
     tensors, metadata = mx.load(str(path), return_metadata=True)

@@ -40,29 +40,12 @@ def unrotate(x: mx.array) -> mx.array:
     return wide @ rotation_matrix(dim).T
 
 
-def joined(chunks: list[mx.array], capacity: int, dtype: mx.Dtype | None = None) -> mx.array:
-    """Chunks of a run of layers' tokens (layers first, tokens on axis 3) in one array
-    of `dtype` (the first chunk's if None), with zero rows after them up to `capacity`
-    tokens: one copy, however many layers and chunks."""
-    dtype = dtype or chunks[0].dtype
-    pad = _room(chunks, capacity, dtype, chunks[0].shape[:3])
-    return mx.concatenate([*(as_dtype(chunk, dtype) for chunk in chunks), pad], axis=3)
-
-
-def joined_rows(chunks: list[mx.array], capacity: int, dtype: mx.Dtype) -> list[mx.array]:
-    """`joined`, as an array per layer. Chunks already in `dtype` go into one buffer
-    that each layer holds a row of (a few graph nodes for the whole run); converted
-    ones go layer by layer, each conversion small enough to stay in the CPU's cache
-    (whole chunks converted first, then copied, took 1.3x as long: float16 to float32
-    on the CPU path)."""
-    if chunks[0].dtype == dtype:
-        return layer_rows(joined(chunks, capacity))
-    rows = [layer_rows(chunk) for chunk in chunks]
-    pad = _room(chunks, capacity, dtype, chunks[0].shape[1:3])
-    return [
-        mx.concatenate([*(row[i].astype(dtype) for row in rows), pad], axis=2)
-        for i in range(chunks[0].shape[0])
-    ]
+def joined(chunks: list[mx.array], capacity: int) -> mx.array:
+    """Chunks of a run of layers' tokens (layers first, tokens on axis 3) in one array,
+    with zero rows after them up to `capacity` tokens: one copy, however many layers
+    and chunks."""
+    pad = _room(chunks, capacity, chunks[0].dtype, chunks[0].shape[:3])
+    return mx.concatenate([*chunks, pad], axis=3)
 
 
 def _room(chunks: list[mx.array], capacity: int, dtype: mx.Dtype, lead: tuple) -> mx.array:
