@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.engine import kvattention, kvnative
+from app.engine import kvattention, kvcpu, kvnative
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import APP_SCHEMES, SIXTEEN_BIT, KVScheme
 
@@ -70,6 +70,72 @@ def test_scores_and_values_equal_numpy_on_the_dequantized_rows(bits, dim, group,
     np.testing.assert_allclose(out, 1 + np.einsum("hqt,htd->hqd", w, wide), rtol=1e-4, atol=1e-3)
 
 
+TURN_CASES = [  # (dim, queries, tokens): partial tiles of tokens and queries
+    (64, 51, 4099),
+    (64, 2, 9),
+    (128, 34, 300),
+    (256, 64, 33),
+]
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+@pytest.mark.parametrize(("dim", "queries", "tokens"), TURN_CASES, ids=str)
+def test_a_short_turns_products_equal_numpy(dim, queries, tokens):
+    """short_turn.c's scores (token-major, from the queries transposed and padded to
+    the tile) and values (added to what `out` holds) over a strided span of float16
+    rows, against numpy's products of the rows widened."""
+    rows, wide = packed_rows(None, 1, tokens, dim, dim)
+    rows, wide = rows.codes[0], wide[0]  # one KV head: (tokens, dim)
+    width = -(-queries // kvnative.TURN_QUERIES) * kvnative.TURN_QUERIES
+    used = -(-queries // kvnative.TURN_VALUE_QUERIES) * kvnative.TURN_VALUE_QUERIES
+    rng = np.random.default_rng(tokens)
+    qt = np.zeros((dim, width), np.float32)
+    qt[:, :queries] = rng.standard_normal((dim, queries), np.float32)
+    st = np.full((tokens, width), np.nan, np.float32)
+    kvnative.turn_scores(rows, qt, st)
+    np.testing.assert_allclose(st, wide @ qt, rtol=1e-4, atol=1e-3)
+    pt = rng.random((tokens, width), np.float32)
+    out = np.ones((used, dim), np.float32)
+    kvnative.turn_values(rows, pt, out)
+    np.testing.assert_allclose(out, 1 + pt[:, :used].T @ wide, rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+@pytest.mark.parametrize(("tokens", "queries"), [(4099, 64), (3, 32), (700, 1024)], ids=str)
+def test_a_short_turns_softmax_equals_numpy(tokens, queries):
+    """Each query's (column's) e^(score - maximum) and sum, the causal mask's -inf
+    entries 0, scores from -80 to 80 (a softmax's whole useful range)."""
+    rng = np.random.default_rng(tokens)
+    st = rng.uniform(-80, 80, (tokens, queries)).astype(np.float32)
+    st[-3:, ::3] = -np.inf
+    with np.errstate(invalid="ignore"):  # -inf - -inf in the 3-token case
+        want = np.exp(st - st.max(axis=0))
+    want[~np.isfinite(want)] = 0  # a query that sees nothing: no weight anywhere
+    totals = kvnative.turn_softmax(st)
+    np.testing.assert_allclose(st, want, rtol=2e-6, atol=1e-37)
+    np.testing.assert_allclose(totals, want.sum(axis=0), rtol=1e-5)
+    assert (st[-3:, ::3] == 0).all()
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+def test_a_short_turns_products_refuse_what_they_do_not_take():
+    rows = np.zeros((40, 64), np.float16)
+    qt, st = np.zeros((64, 32), np.float32), np.zeros((40, 32), np.float32)
+    kvnative.turn_scores(rows, qt, st)
+    for bad in (
+        lambda: kvnative.turn_scores(rows, np.zeros((64, 48), np.float32), st),  # not a tile
+        lambda: kvnative.turn_scores(rows, qt, np.zeros((39, 32), np.float32)),  # rows past st
+        lambda: kvnative.turn_scores(np.zeros((40, 80), np.float16), qt, st),  # width
+        lambda: kvnative.turn_values(rows, st, np.zeros((36, 64), np.float32)),  # queries past pt
+        lambda: kvnative.turn_values(rows, st, np.zeros((6, 64), np.float32)),  # not a tile
+        lambda: kvnative.turn_values(rows[::2], st[:20], np.zeros((4, 32), np.float32)),
+        lambda: kvnative.turn_softmax(np.zeros((4, 48), np.float32)),  # not a tile
+        lambda: kvnative.turn_softmax(np.zeros((4, 1056), np.float32)),  # past its sums
+    ):
+        with pytest.raises(ValueError, match="do not fit"):
+            bad()
+
+
 @pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
 def test_shapes_the_library_does_not_take_are_refused_before_any_call():
     rows, _ = packed_rows(8, 2, 40, 64, 64)
@@ -117,7 +183,8 @@ BUILDS = {
     "gcc 11": ("gcc-11", "-O3"),
     "clang": (shutil.which("clang") or "clang-14", "-O3"),
 }
-SOURCE = Path(__file__).parents[1] / "app" / "engine" / "kvdecode.c"
+ENGINE = Path(__file__).parents[1] / "app" / "engine"
+SOURCES = [str(ENGINE / "kvdecode.c"), str(ENGINE / "short_turn.c")]  # kvnative's library
 # Python's headers too: without them (no python3-dev) setup.py skips the extension.
 HEADERS = Path(sysconfig.get_paths()["include"], "Python.h").exists()
 CHECK = """import sys
@@ -128,6 +195,9 @@ kvnative._library, kvnative._tried = kvnative._open(sys.argv[1]), True
 import test_kv_native as t
 for case in t.CASES:
     t.test_scores_and_values_equal_numpy_on_the_dequantized_rows(*case)
+for case in t.TURN_CASES:
+    t.test_a_short_turns_products_equal_numpy(*case)
+t.test_a_short_turns_softmax_equals_numpy(4099, 64)
 """
 
 
@@ -141,9 +211,9 @@ def test_the_library_built_other_ways_gives_the_same_products(tmp_path, build):
     include = sysconfig.get_paths()["include"]
     built = tmp_path / "kvdecode.so"
     command = [compiler, *flags, "-Wno-psabi", "-shared", "-fPIC", f"-I{include}"]
-    done = subprocess.run([*command, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+    done = subprocess.run([*command, *SOURCES, "-o", str(built)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    root = str(SOURCE.parents[2])
+    root = str(ENGINE.parents[1])
     check = [sys.executable, "-c", CHECK, str(built), root]
     done = subprocess.run(check, capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
@@ -230,11 +300,11 @@ def test_a_library_built_for_other_arguments_is_not_called(tmp_path):
     include = sysconfig.get_paths()["include"]
     stale = tmp_path / "stale.so"
     command = ["cc", "-O1", "-Wno-psabi", "-shared", "-fPIC", f"-I{include}"]
-    command += [f"-DREPRISE_KV_ABI={kvnative.ABI + 1}", str(SOURCE), "-o", str(stale)]
+    command += [f"-DREPRISE_KV_ABI={kvnative.ABI + 1}", *SOURCES, "-o", str(stale)]
     assert subprocess.run(command, capture_output=True).returncode == 0
     assert kvnative._open(str(stale)) is None
     current = tmp_path / "current.so"
-    command[-3:] = [f"-DREPRISE_KV_ABI={kvnative.ABI}", str(SOURCE), "-o", str(current)]
+    command[-4:] = [f"-DREPRISE_KV_ABI={kvnative.ABI}", *SOURCES, "-o", str(current)]
     assert subprocess.run(command, capture_output=True).returncode == 0
     assert kvnative._open(str(current)).limits[1] == 64
 
@@ -249,19 +319,57 @@ def test_float16_rows_are_widened_exactly():
     assert np.array_equal(kvnative.widen_halves(rows), rows.astype(np.float32))
 
 
-@pytest.mark.parametrize("rows", [2, 17, 64])
-def test_a_short_turn_over_float16_rows_matches_the_oracle(rows):
+# A float16 scheme with 16-bit sink and tail rows beside the bulk: the app's float16
+# cache has none, but the short turn's products read all three, in temporal order.
+WITH_EXACT_ROWS = KVScheme(None, None, 64, sink=4, window=64)
+
+
+@pytest.mark.parametrize(
+    ("rows", "heads", "kv_heads", "dim", "scheme", "mask"),
+    [
+        (2, 6, 2, 64, SIXTEEN_BIT, "causal"),
+        (17, 9, 3, 64, SIXTEEN_BIT, "causal"),  # the starter's heads: 51 queries a KV head
+        (64, 6, 2, 64, SIXTEEN_BIT, "causal"),
+        (65, 6, 2, 64, SIXTEEN_BIT, "causal"),  # past the short turn: mlx's products
+        (17, 8, 8, 128, SIXTEEN_BIT, "causal"),
+        (5, 4, 2, 80, SIXTEEN_BIT, "causal"),  # a width the products do not take
+        (17, 9, 3, 64, WITH_EXACT_ROWS, "causal"),
+        (7, 6, 2, 64, SIXTEEN_BIT, None),
+    ],
+)
+def test_a_short_turn_over_float16_rows_matches_the_oracle(
+    rows, heads, kv_heads, dim, scheme, mask
+):
     """The CPU path's 16 bits (both halves float16): a short turn's rows attend under
-    the causal mask to what the oracle attends to, the float16 rows widened."""
-    layer = MixedKVCache(SIXTEEN_BIT)
-    keys, values = (mx.random.normal((1, 2, 300, 64), key=mx.random.key(k)) for k in (1, 2))
+    the causal mask (or none) to what the oracle attends to, the float16 rows widened."""
+    layer = MixedKVCache(scheme)
+    shape = (1, kv_heads, 300, dim)
+    keys, values = (mx.random.normal(shape, key=mx.random.key(k)) for k in (1, 2))
     layer.update_and_fetch(keys[..., :-rows, :], values[..., :-rows, :])
     layer.update_and_fetch(keys[..., -rows:, :], values[..., -rows:, :])
-    queries = mx.random.normal((1, 6, rows, 64), key=mx.random.key(3))
-    got = layer.attend(queries, 0.125, "causal")
+    queries = mx.random.normal((1, heads, rows, dim), key=mx.random.key(3))
+    got = layer.attend(queries, 0.125, mask)
     keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
-    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask="causal")
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask)
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+def test_a_short_turn_reads_the_float16_rows_where_they_are(monkeypatch):
+    """A 17-token turn over the CPU path's float16 cache goes to the compiled products:
+    no float32 copy of the cached rows is made for it."""
+
+    def widened(*_args, **_kwargs):
+        raise AssertionError("the cached rows were widened for a short turn")
+
+    monkeypatch.setattr(kvcpu, "widened", widened)
+    monkeypatch.setattr(kvattention, "widen", widened)
+    layer = MixedKVCache(SIXTEEN_BIT)
+    keys = mx.random.normal((1, 3, 1000, 64), key=mx.random.key(1))
+    layer.update_and_fetch(keys, keys)
+    queries = mx.random.normal((1, 9, 17, 64), key=mx.random.key(3))
+    layer.update_and_fetch(keys[..., :17, :], keys[..., :17, :])
+    assert layer.attend(queries, 0.125, "causal").shape == (1, 9, 17, 64)
 
 
 def test_a_short_turn_reads_a_buffer_laid_out_as_its_first_update():

@@ -37,6 +37,9 @@ and [q, n) the 16-bit tail (sink and tail are one 16-bit buffer, "exact"):
   matmul is scalar code, widening the bulk first cost 4x the 16-bit attention,
   and the same products as an mlx graph 2.5x); elsewhere `mx.quantized_matmul`
   (Metal: not measured here, no Mac).
+- a short turn over float16 rows on the CPU (a follow-up message, the CPU
+  path's 16 bits): compiled products that read the rows where they are
+  (app/engine/turn_attention.py).
 - prefill and masked calls: the bulk dequantized once for all queries (a
   temporary of one layer), the exact rows put in place by a concatenation,
   then `mx.fast.scaled_dot_product_attention`.
@@ -51,7 +54,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models import base
 
-from app.engine import cpu_attention, kvcpu, kvkernels
+from app.engine import cpu_attention, kvcpu, kvkernels, turn_attention
 
 _FAST_WIDEN = (8, 4)  # widths the CPU unpacks with byte views
 
@@ -138,6 +141,8 @@ def attend(layout: PackedLayout, queries: mx.array, scale: float, mask, sinks) -
             return cpu_decode(layout, queries, scale)
         if not _cpu_widens(layout, queries):
             return quantized_decode(layout, queries, scale)
+    if turn_attention.applies(layout, queries, mask, sinks):
+        return turn_attention.attention(layout, queries, scale, mask)
     return dense(layout, queries, scale, mask, sinks)
 
 

@@ -19,7 +19,7 @@ _INT, _SIZE, _FLOAT_P, _P = ctypes.c_int, ctypes.c_ssize_t, ctypes.c_void_p, cty
 _ROWS = [_P, _SIZE, _P, _P, _SIZE, _INT, _INT, _INT, _INT]  # a store's rows, as in the C
 
 enabled = os.environ.get("REPRISE_KV_NATIVE", "on") != "off"
-ABI = 2  # kvdecode.c's REPRISE_KV_ABI: the arguments `_ROWS` and the calls below pass
+ABI = 3  # kvdecode.c's REPRISE_KV_ABI: the arguments `_ROWS` and the calls below pass
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -49,6 +49,11 @@ def _open(path: str) -> ctypes.CDLL | None:
     library.reprise_kv_scores.restype = library.reprise_kv_values.restype = None
     library.reprise_kv_widen_halves.argtypes = [_P, _SIZE, _SIZE, _SIZE, _FLOAT_P]
     library.reprise_kv_widen_halves.restype = None
+    library.reprise_turn_scores.argtypes = [_P, _SIZE, _INT, _INT, _FLOAT_P, _INT, _FLOAT_P]
+    library.reprise_turn_values.argtypes = [_P, _SIZE, _INT, _INT, _FLOAT_P, _INT, _INT, _FLOAT_P]
+    library.reprise_turn_softmax.argtypes = [_FLOAT_P, _INT, _INT, _FLOAT_P]
+    library.reprise_turn_scores.restype = library.reprise_turn_values.restype = None
+    library.reprise_turn_softmax.restype = None
     library.limits = tuple(library.reprise_kv_limit(which) for which in range(4))
     return library
 
@@ -152,6 +157,61 @@ def widen_halves(rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         rows.ctypes.data, rows.strides[1] // 2, batch * heads, tokens * width, out.ctypes.data
     )
     return out
+
+
+# short_turn.c's tiles: queries in vectors of 16, two at a time for the scores, four
+# at a time for the values; dimensions four vectors at a time.
+TURN_QUERIES, TURN_VALUE_QUERIES, TURN_DIMS = 32, 4, 64
+TURN_MAX_QUERIES = 1024  # a KV head's queries the softmax holds
+
+
+def turn_fits(dim: int) -> bool:
+    """Whether short_turn.c takes rows `dim` wide."""
+    library = _load()
+    return library is not None and 0 < dim <= library.limits[0] and dim % TURN_DIMS == 0
+
+
+def turn_scores(rows: np.ndarray, qt: np.ndarray, st: np.ndarray) -> None:
+    """st = rows @ qt: float16 rows (tokens, dim), each row contiguous; qt (dim,
+    queries) contiguous float32, queries a multiple of TURN_QUERIES; st (tokens,
+    queries) contiguous float32."""
+    tokens, dim = rows.shape
+    queries = qt.shape[1]
+    _require(turn_fits(dim) and rows.dtype == np.float16 and rows.strides[1] == 2)
+    _require(qt.dtype == st.dtype == np.float32 and qt.flags.c_contiguous and st.flags.c_contiguous)
+    _require(qt.shape[0] == dim and queries % TURN_QUERIES == 0 and st.shape == (tokens, queries))
+    _load().reprise_turn_scores(
+        rows.ctypes.data, rows.strides[0] // 2, tokens, dim, qt.ctypes.data, queries, st.ctypes.data
+    )
+
+
+def turn_softmax(st: np.ndarray) -> np.ndarray:
+    """Token-major scores st (tokens, queries) contiguous float32, queries a multiple
+    of TURN_QUERIES up to TURN_MAX_QUERIES -> e^(score - its query's maximum), in
+    place; each query's sum (queries,)."""
+    _require(st.dtype == np.float32 and st.ndim == 2 and st.flags.c_contiguous)
+    _require(st.shape[1] % TURN_QUERIES == 0 and st.shape[1] <= TURN_MAX_QUERIES)
+    totals = np.empty(st.shape[1], np.float32)
+    _load().reprise_turn_softmax(st.ctypes.data, st.shape[0], st.shape[1], totals.ctypes.data)
+    return totals
+
+
+def turn_values(rows: np.ndarray, pt: np.ndarray, out: np.ndarray) -> None:
+    """out += pt[:, :used].T @ rows: float16 rows (tokens, dim) as for `turn_scores`;
+    pt (tokens, queries) contiguous float32; out (used, dim) contiguous float32, used
+    a multiple of TURN_VALUE_QUERIES, at most queries."""
+    tokens, dim = rows.shape
+    used, queries = len(out), pt.shape[1]
+    _require(turn_fits(dim) and rows.dtype == np.float16 and rows.strides[1] == 2)
+    _require(
+        pt.dtype == out.dtype == np.float32 and pt.flags.c_contiguous and out.flags.c_contiguous
+    )
+    _require(pt.shape[0] == tokens and out.shape[1] == dim)
+    _require(used % TURN_VALUE_QUERIES == 0 and used <= queries)
+    _load().reprise_turn_values(
+        rows.ctypes.data, rows.strides[0] // 2, tokens, dim, pt.ctypes.data, queries, used,
+        out.ctypes.data,
+    )  # fmt: skip
 
 
 def _require(condition: bool) -> None:

@@ -1,0 +1,217 @@
+/* A short turn's attention products over one KV head of float16 rows: the few
+ * query rows of a follow-up message (times the query heads that share the KV
+ * head) against every cached token. Called through ctypes from
+ * app/engine/kvcpu.py, which checks every shape and stride it passes; mlx's
+ * products (OpenBLAS on rows widened to float32) are the fallback and the oracle.
+ *
+ * Why: a follow-up of 17 tokens at 4k tokens of history is, per layer, 51
+ * queries a KV head against 4,096 rows, twice (scores, then values): compute-
+ * bound, and OpenBLAS ran it at about 46 G multiply-adds a second in eight-lane
+ * vectors, after a float32 copy of the rows. Here the rows are widened a few at
+ * a time into L1 and the products run in sixteen-lane vectors where the CPU has
+ * them (AVX-512), each loaded value used by several multiply-adds.
+ *
+ * Both products keep the queries on the vector lanes, so no sum across lanes is
+ * ever needed (a head of 64 dimensions is too short for that to pay):
+ * - scores, token-major: st[t][j] = sum_d row_t[d] q_j[d], from the queries
+ *   transposed (qt[d][j]), a tile of TILE_TOKENS tokens by two vectors of queries;
+ * - values: out[j][:] += sum_t pt[t][j] row_t[:], a tile of TILE_QUERIES queries
+ *   by four vectors of dimensions, the weights broadcast from pt's row t.
+ * The softmax between them (and the causal mask) is numpy's, on st.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+
+#include "vector8.h"
+
+#define WIDE 16 /* lanes of a v16 */
+#define MAX_DIM 1024
+#define MAX_QUERIES 1024 /* a KV head's queries the softmax takes */
+#define TILE_TOKENS 8
+#define TILE_QUERIES 4
+#define DIM_VECTORS 4 /* dimensions of a values tile: 64 */
+#define VALUE_BLOCK 32 /* value rows widened at a time: 8 KB of float32 at 64 wide */
+
+typedef float v16 __attribute__((vector_size(WIDE * sizeof(float))));
+
+/* A v16 is one AVX-512 register: a clone for CPUs that have them (x86-64-v4), beside
+ * vector8.h's AVX2 and plain ones (where a v16 is two or four registers). */
+#if defined(VECTOR_CLONES_X86) && __GNUC__ >= 12
+#define TURN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TURN_CLONES VECTOR_CLONES
+#endif
+
+VECTOR_INLINE v16 load16(const float *p)
+{
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+VECTOR_INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* float16 bits as a float32, as kvdecode.c's half_to_float (exponent and mantissa
+ * shifted into place and scaled by 2^112; a KV row holds no infinities or NaN). */
+static inline float half_to_float(uint16_t h)
+{
+    uint32_t magnitude = (uint32_t)(h & 0x7fff) << 13;
+    float f;
+    memcpy(&f, &magnitude, sizeof f);
+    f *= 0x1p112f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits |= (uint32_t)(h & 0x8000) << 16;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Rows t .. t + count - 1 (`stride` halves apart) as float32 into `out`, `dim` apart;
+ * rows count .. block - 1 zeroed. */
+static inline void widen_rows(const uint16_t *rows, ptrdiff_t stride, int t, int count,
+                              int block, int dim, float *out)
+{
+    for (int r = 0; r < block; r++) {
+        float *into = out + (ptrdiff_t)r * dim;
+        if (r < count) {
+            const uint16_t *row = rows + (t + r) * stride;
+            for (int d = 0; d < dim; d++)
+                into[d] = half_to_float(row[d]);
+        } else {
+            memset(into, 0, dim * sizeof(float));
+        }
+    }
+}
+
+typedef int32_t v16i __attribute__((vector_size(WIDE * sizeof(int32_t))));
+
+VECTOR_INLINE v16 splat(float x)
+{
+    return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+/* The lane-wise larger of a and b (C has no ?: for vectors). */
+VECTOR_INLINE v16 larger(v16 a, v16 b)
+{
+    v16i pick_a = a > b;
+    return (v16)(((v16i)a & pick_a) | ((v16i)b & ~pick_a));
+}
+
+/* e^x lane-wise, to about 2 ulp: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its
+ * Taylor series to r^7, 2^n put into the exponent bits. x below -87 (the causal
+ * mask's -inf among them) or NaN gives 0, as a float32 e^x underflows to nothing
+ * beside a query's largest term, 1. */
+VECTOR_INLINE v16 exp16(v16 x)
+{
+    v16i kept = x >= splat(-87.0f);
+    x = larger(x, splat(-87.0f));
+    x = -larger(-x, splat(-88.0f)); /* at most 88: 2^n stays finite */
+    const v16 round = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    v16 n = (x * splat(1.44269504f) + round) - round;
+    v16 r = x - n * splat(0.693145752f) - n * splat(1.42860677e-6f);
+    v16 p = splat(1.0f / 5040);
+    p = p * r + splat(1.0f / 720);
+    p = p * r + splat(1.0f / 120);
+    p = p * r + splat(1.0f / 24);
+    p = p * r + splat(1.0f / 6);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    v16i scale = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return (v16)((v16i)(p * (v16)scale) & kept);
+}
+
+/* Token-major scores (tokens x queries, queries a multiple of 16, at most
+ * MAX_QUERIES) -> e^(score - its query's maximum), in place; each query's sum into
+ * `totals`. Row by row, each query's running maximum and sum in a vector lane. */
+TURN_CLONES
+void reprise_turn_softmax(float *st, int tokens, int queries, float *totals)
+{
+    v16 top[MAX_QUERIES / WIDE], sum[MAX_QUERIES / WIDE];
+    int vectors = queries / WIDE;
+    for (int v = 0; v < vectors; v++) {
+        top[v] = splat(-INFINITY);
+        sum[v] = splat(0.0f);
+    }
+    for (int t = 0; t < tokens; t++)
+        for (int v = 0; v < vectors; v++)
+            top[v] = larger(top[v], load16(st + (ptrdiff_t)t * queries + v * WIDE));
+    for (int t = 0; t < tokens; t++)
+        for (int v = 0; v < vectors; v++) {
+            float *at = st + (ptrdiff_t)t * queries + v * WIDE;
+            v16 e = exp16(load16(at) - top[v]);
+            store16(at, e);
+            sum[v] += e;
+        }
+    for (int v = 0; v < vectors; v++)
+        store16(totals + v * WIDE, sum[v]);
+}
+
+/* st[t * queries + j] = row_t . q_j for `tokens` float16 rows `stride` halves apart
+ * and `queries` queries (a multiple of 32) given transposed: qt[d * queries + j]. */
+TURN_CLONES
+void reprise_turn_scores(const uint16_t *rows, ptrdiff_t stride, int tokens, int dim,
+                         const float *qt, int queries, float *st)
+{
+    float wide[TILE_TOKENS * MAX_DIM];
+    for (int t = 0; t < tokens; t += TILE_TOKENS) {
+        int count = tokens - t < TILE_TOKENS ? tokens - t : TILE_TOKENS;
+        widen_rows(rows, stride, t, count, TILE_TOKENS, dim, wide);
+        for (int j = 0; j < queries; j += 2 * WIDE) {
+            v16 acc[TILE_TOKENS][2] = {{{0}}};
+            for (int d = 0; d < dim; d++) {
+                v16 low = load16(qt + (ptrdiff_t)d * queries + j);
+                v16 high = load16(qt + (ptrdiff_t)d * queries + j + WIDE);
+                for (int r = 0; r < TILE_TOKENS; r++) {
+                    float k = wide[r * dim + d];
+                    acc[r][0] += k * low;
+                    acc[r][1] += k * high;
+                }
+            }
+            for (int r = 0; r < count; r++) {
+                store16(st + (ptrdiff_t)(t + r) * queries + j, acc[r][0]);
+                store16(st + (ptrdiff_t)(t + r) * queries + j + WIDE, acc[r][1]);
+            }
+        }
+    }
+}
+
+/* out[j * dim + :] += sum_t pt[t * queries + j] row_t for j < used (a multiple of
+ * TILE_QUERIES, at most `queries`), `tokens` float16 rows `stride` halves apart; dim
+ * a multiple of DIM_VECTORS * 16. */
+TURN_CLONES
+void reprise_turn_values(const uint16_t *rows, ptrdiff_t stride, int tokens, int dim,
+                         const float *pt, int queries, int used, float *out)
+{
+    float wide[VALUE_BLOCK * MAX_DIM];
+    for (int t = 0; t < tokens; t += VALUE_BLOCK) {
+        int count = tokens - t < VALUE_BLOCK ? tokens - t : VALUE_BLOCK;
+        widen_rows(rows, stride, t, count, count, dim, wide);
+        const float *weights = pt + (ptrdiff_t)t * queries;
+        for (int j = 0; j < used; j += TILE_QUERIES) {
+            for (int c = 0; c < dim; c += DIM_VECTORS * WIDE) {
+                v16 acc[TILE_QUERIES][DIM_VECTORS];
+                for (int q = 0; q < TILE_QUERIES; q++)
+                    for (int v = 0; v < DIM_VECTORS; v++)
+                        acc[q][v] = load16(out + (ptrdiff_t)(j + q) * dim + c + v * WIDE);
+                for (int r = 0; r < count; r++) {
+                    const float *row = wide + r * dim + c;
+                    v16 x[DIM_VECTORS];
+                    for (int v = 0; v < DIM_VECTORS; v++)
+                        x[v] = load16(row + v * WIDE);
+                    for (int q = 0; q < TILE_QUERIES; q++) {
+                        float w = weights[(ptrdiff_t)r * queries + j + q];
+                        for (int v = 0; v < DIM_VECTORS; v++)
+                            acc[q][v] += w * x[v];
+                    }
+                }
+                for (int q = 0; q < TILE_QUERIES; q++)
+                    for (int v = 0; v < DIM_VECTORS; v++)
+                        store16(out + (ptrdiff_t)(j + q) * dim + c + v * WIDE, acc[q][v]);
+            }
+        }
+    }
+}

@@ -1,0 +1,113 @@
+"""A short turn's attention over the CPU path's float16 cache, by compiled products
+(short_turn.c through kvnative).
+
+A follow-up message of a few tokens at a long history is, per layer and KV head,
+a few dozen query rows (the turn's rows times the query heads sharing the KV head)
+against every cached token: scores, softmax, values. mlx's route widened every
+row to float32 (`kvcpu.widened`) and ran OpenBLAS on it; at 4k tokens that was
+most of a 17-token turn's time. Here the compiled code reads the float16 rows
+where they are, widening a few at a time into the CPU's L1 cache, and numpy does
+the causal mask and the softmax in between.
+
+The scores come token-major (a row per cached token, the queries along it), the
+layout both products want; a KV head's queries are ordered as its query heads
+then the turn's rows (j = head * rows + row), padded with zero queries to the
+products' tile.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from app.engine import cpu_attention, kvnative
+
+MAX_ROWS = 64  # a turn's rows this takes; a longer prompt is a prefill step's work
+
+
+def applies(layout, queries: mx.array, mask, sinks) -> bool:
+    """A float32 turn of 2..MAX_ROWS rows, no mask but the causal one, over float16
+    rows in a width the products take (the CPU path's 16 bits), where they were built."""
+    heads, rows, dim = queries.shape[1:]
+    stores = [s for s in (*layout.exact, *layout.bulk) if s.buffers]
+    kv_heads = stores[0].buffers[0].shape[1] if stores else heads
+    return (
+        cpu_attention.enabled
+        and heads // kv_heads * rows <= kvnative.TURN_MAX_QUERIES
+        and mx.default_device() == mx.cpu
+        and 1 < rows <= MAX_ROWS
+        and sinks is None
+        and (mask is None or mask == "causal")
+        and queries.dtype == mx.float32
+        and not layout.rotated
+        and all(s.bits is None and s.dtype == mx.float16 for s in stores)
+        and all(s.buffers[0].shape[3] == dim for s in stores)
+        and kvnative.turn_fits(dim)
+    )
+
+
+def attention(layout, queries: mx.array, scale: float, mask) -> mx.array:
+    """What the dense path gives for `queries` over `layout` (kvattention.PackedLayout):
+    rows that see every cached token but the turn's later ones (mask "causal"), or all."""
+    batch, heads, rows, dim = queries.shape
+    mx.eval(queries, [store.buffers for store in (*layout.exact, *layout.bulk)])
+    spans = _spans(layout)
+    keys = [_rows(layout.exact[0] if exact else layout.bulk[0], a, b) for exact, a, b in spans]
+    values = [_rows(layout.exact[1] if exact else layout.bulk[1], a, b) for exact, a, b in spans]
+    kv_heads = len(keys[0]) // batch
+    used = heads // kv_heads * rows
+    qt = _transposed(np.asarray(queries).reshape(batch * kv_heads, used, dim), scale)
+    tokens = sum(part.shape[1] for part in keys)
+    st = np.empty((batch * kv_heads, tokens, qt.shape[2]), np.float32)
+    for head in range(batch * kv_heads):
+        for part, into in zip(keys, _split(st[head], keys), strict=True):
+            kvnative.turn_scores(part[head], qt[head], into)
+    if mask == "causal":
+        _hide_future(st, rows, used)
+    # numpy's four passes over the token-major scores took 0.9 ms a layer at 4k tokens
+    totals = np.stack([kvnative.turn_softmax(head) for head in st])
+    totals[totals == 0] = 1  # a query that sees nothing gives zeros, as cpu_attention
+    tile = kvnative.TURN_VALUE_QUERIES
+    out = np.zeros((batch * kv_heads, -(-used // tile) * tile, dim), np.float32)
+    for head in range(batch * kv_heads):
+        for part, weights in zip(values, _split(st[head], values), strict=True):
+            kvnative.turn_values(part[head], weights, out[head])
+    out = out[:, :used] / totals[:, :used, None]
+    return mx.array(out.reshape(batch, heads, rows, dim))
+
+
+def _spans(layout) -> list[tuple[bool, int, int]]:
+    """(from the exact rows?, first, end) of every cached token in temporal order: the
+    sink rows, the bulk, the tail; spans that hold nothing left out."""
+    sink, exact = layout.sink_rows, len(layout.exact[0])
+    spans = [(True, 0, sink), (False, layout.bulk_start, layout.bulk_end), (True, sink, exact)]
+    return [span for span in spans if span[2] > span[1]]
+
+
+def _rows(store, start: int, end: int) -> np.ndarray:
+    """A store's tokens [start, end) as a numpy view (batch x KV heads, tokens, dim)."""
+    view = np.asarray(store.buffers[0])[:, :, store.span(start, end)]
+    return view.reshape(view.shape[0] * view.shape[1], *view.shape[2:])
+
+
+def _transposed(q: np.ndarray, scale: float) -> np.ndarray:
+    """q (heads, queries, dim) scaled, as (heads, dim, queries padded to the tile)."""
+    heads, used, dim = q.shape
+    width = -(-used // kvnative.TURN_QUERIES) * kvnative.TURN_QUERIES
+    qt = np.zeros((heads, dim, width), np.float32)
+    np.multiply(q.transpose(0, 2, 1), np.float32(scale), out=qt[..., :used])
+    return qt
+
+
+def _split(st: np.ndarray, parts: list[np.ndarray]) -> list[np.ndarray]:
+    """One head's token-major scores cut into the spans `parts` hold."""
+    ends = np.cumsum([part.shape[1] for part in parts])[:-1]
+    return np.split(st, ends)
+
+
+def _hide_future(st: np.ndarray, rows: int, used: int) -> None:
+    """The causal mask on token-major scores: the turn's own tokens are the last
+    `rows`; query j (its row j % rows) sees those up to its own."""
+    own = st[:, st.shape[1] - rows :, :used]
+    later = np.arange(rows)[:, None] > (np.arange(used) % rows)[None, :]
+    own[:, later] = -np.inf
