@@ -173,10 +173,11 @@ def test_the_products_hold_to_the_library_limits_whoever_calls_them():
         kvnative.values(rows, 0, np.zeros((65, 9), np.float32), np.zeros((65, 64), np.float32))
 
 
-# kvdecode.c built as others may build it: a packager's CFLAGS that stop inlining (the
-# AVX2 clone then calls helpers compiled for plain x86-64), a compiler without
-# __builtin_shufflevector (the portable lane sums), GCC 11 (Ubuntu 22.04's: no
-# dispatcher for x86-64-v3 clones), Clang (macOS's: no clones). One not here is skipped.
+# The library (kvdecode.c, short_turn.c, packed_rows.c) built as others may build
+# it: a packager's CFLAGS that stop inlining (the AVX2 clone then calls helpers
+# compiled for plain x86-64), a compiler without __builtin_shufflevector (the
+# portable lane sums), GCC 11 (Ubuntu 22.04's: no dispatcher for x86-64-v3 or v4
+# clones), Clang (macOS's: no clones). One not here is skipped.
 BUILDS = {
     "no inlining": ("cc", "-O3", "-fno-inline"),
     "portable sums": ("cc", "-O3", "-U__has_builtin"),
@@ -184,15 +185,20 @@ BUILDS = {
     "clang": (shutil.which("clang") or "clang-14", "-O3"),
 }
 ENGINE = Path(__file__).parents[1] / "app" / "engine"
-SOURCES = [str(ENGINE / "kvdecode.c"), str(ENGINE / "short_turn.c")]  # kvnative's library
+SOURCES = [str(ENGINE / name) for name in ("kvdecode.c", "short_turn.c", "packed_rows.c")]
 # Python's headers too: without them (no python3-dev) setup.py skips the extension.
 HEADERS = Path(sysconfig.get_paths()["include"], "Python.h").exists()
 CHECK = """import sys
 sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
 import app.engine
-from app.engine import kvnative
+from app.engine import kvnative, packed_rows
 kvnative._library, kvnative._tried = kvnative._open(sys.argv[1]), True
+packed_rows._library, packed_rows._tried = packed_rows._open(sys.argv[1]), True
 import test_kv_native as t
+import test_packed_rows as p
+for bits, group in ((4, 32), (8, 32)):
+    p.test_a_product_is_the_dequantized_weight_s(bits, group, 130, 2)
+    p.test_a_few_rows_product_is_the_dequantized_weight_s(bits, group, 130, 17, 2)
 for case in t.CASES:
     t.test_scores_and_values_equal_numpy_on_the_dequantized_rows(*case)
 for case in t.TURN_CASES:
@@ -304,7 +310,12 @@ def test_a_library_built_for_other_arguments_is_not_called(tmp_path):
     assert subprocess.run(command, capture_output=True).returncode == 0
     assert kvnative._open(str(stale)) is None
     current = tmp_path / "current.so"
-    command[-4:] = [f"-DREPRISE_KV_ABI={kvnative.ABI}", *SOURCES, "-o", str(current)]
+    command[-len(SOURCES) - 3 :] = [
+        f"-DREPRISE_KV_ABI={kvnative.ABI}",
+        *SOURCES,
+        "-o",
+        str(current),
+    ]
     assert subprocess.run(command, capture_output=True).returncode == 0
     assert kvnative._open(str(current)).limits[1] == 64
 

@@ -71,6 +71,21 @@ def test_a_product_is_the_dequantized_weight_s(bits, group, rows, threads):
         assert_product(packed_rows.product(weight, row, threads), exact, row)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (8, 32)])
+@pytest.mark.parametrize(("rows", "n"), [(7, 2), (130, 5), (130, 17), (9, 64)])
+def test_a_few_rows_product_is_the_dequantized_weight_s(bits, group, rows, n, threads):
+    """A short turn's rows through the codes at once (`rows_product`): partial blocks
+    of the weight's rows and of x's, each output within float32 rounding."""
+    layer = quantized_layer(rows, 3 * group, bits, group)
+    weight, exact = packed_rows.of_module(layer), exact_weight(layer)
+    x = np.random.default_rng(1).standard_normal((n, 3 * group)).astype(np.float32)
+    got = packed_rows.rows_product(weight, x, threads)
+    assert got.shape == (n, rows)
+    for i in range(n):
+        assert_product(got[i], exact, x[i])
+
+
 def test_two_callers_at_once_each_get_their_own_product():
     """The helpers serve one product at a time; the other caller does its own alone."""
     layers = [quantized_layer(512, 256, 4, 64, seed) for seed in range(2)]
@@ -147,6 +162,27 @@ def test_a_quantized_model_s_steps_give_its_float32_weights_logits(family, bits,
     prompt, fed = rng.integers(0, 300, 80).tolist(), rng.integers(0, 300, 4).tolist()
     got = logits_of_steps(model, prompt, fed, None)
     assert len(calls) == 4 * (2 * 7 + 1)  # 4 steps: 7 products a block, 2 blocks, the head
+    monkeypatch.setattr(packed_rows, "enabled", False)
+    want = logits_of_steps(model, prompt, fed, None)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("family", ["llama-biases-llama3-rope", "phi3", "qwen3"])
+def test_a_quantized_model_s_short_turn_gives_its_float32_weights_logits(family, bits, monkeypatch):
+    """A follow-up's prompt of 7 rows after a prefill of 80: its projections through
+    the codes at once (chosen whatever this CPU: the test is of the products), the
+    logits of its float32 weights; the prefill's 80 rows stay float32 products."""
+    monkeypatch.setattr(packed_rows, "faster_here", lambda: True)
+    monkeypatch.setattr(cpu_layers, "_many_rows_fast", lambda: True)
+    model = quantized_tiny(family, bits)
+    calls = []
+    rows_product = packed_rows.rows_product
+    monkeypatch.setattr(packed_rows, "rows_product", lambda *a: calls.append(1) or rows_product(*a))
+    rng = np.random.default_rng(5)
+    prompt, fed = rng.integers(0, 300, 80).tolist(), [rng.integers(0, 300, 7).tolist()]
+    got = logits_of_steps(model, prompt, fed, None)
+    assert len(calls) == 2 * 7  # the 7-row call: 7 products a block, 2 blocks
     monkeypatch.setattr(packed_rows, "enabled", False)
     want = logits_of_steps(model, prompt, fed, None)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from functools import cache
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,6 +54,8 @@ enabled = os.environ.get("REPRISE_CPU_LAYERS", "on") != "off"
 # Calls of up to this many rows (decode steps, a follow-up's prompt) rotate by the
 # rope's matrices, kept as pairs (`_RopeRotations`); longer ones by the module.
 ROPE_MATRIX_ROWS = 64
+# Calls of up to this many rows multiply by a quantized layer's codes (`_through_codes`).
+MANY_ROWS = 64
 
 _LINEAR = (nn.Linear, cpu_blas.RowLinear, nn.QuantizedLinear, cpu_blas.CodesLinear)
 
@@ -305,14 +308,35 @@ def _norm_rows(x: np.ndarray, weights: _Weights, place: str) -> np.ndarray:
 
 def _product(weights: _Weights, name: str, x: np.ndarray) -> np.ndarray:
     """Rows `x` (rows, inputs) through a projection: `cpu_blas.row_product` for one
-    (the weight as stored where it was quantized), else `cpu_blas.matmul`."""
+    (the weight as stored where it was quantized), the codes for a short turn's few
+    (`_through_codes`), else `cpu_blas.matmul`."""
     p = weights.projections[name]
     if len(x) == 1:
         out = cpu_blas.row_product(p.weight, x[0], p.packed)[None]
+    elif _through_codes(p, len(x)):
+        out = packed_rows.rows_product(p.packed, x, cpu_blas.threads() or 1)
     else:
         weight = p.weight if p.weight is not None else packed_rows.widened(p.packed)
         out = cpu_blas.matmul(x, weight.T)
     return out if p.bias is None else np.add(out, p.bias, out=out)
+
+
+def _through_codes(p: Projection, rows: int) -> bool:
+    """A short turn's rows through a quantized layer's codes (`packed_rows.rows_product`),
+    where its AVX-512 build runs: float32 products read four times the bytes (100
+    weights of 1536 x 576, 17 rows: 24 ms against sgemm's 34 on two threads, 36 against
+    60 on one; level by 64 rows)."""
+    return (
+        rows <= MANY_ROWS
+        and packed_rows.usable(p.packed)
+        and packed_rows.many_rows_take(p.packed)
+        and _many_rows_fast()
+    )
+
+
+@cache
+def _many_rows_fast() -> bool:
+    return packed_rows.many_rows_faster_here()
 
 
 def _attention(block: nn.Module, weights: _Weights, x: np.ndarray, mask, cache) -> np.ndarray:

@@ -25,6 +25,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vector8.h"
 
@@ -47,6 +48,8 @@ struct product {
     const float *scales, *biases, *x, *sums; /* sums: of x over each group */
     int rows, words, groups, group, bits;
     float *y;
+    int n;          /* rows of x: one (y = W x), or more (`many_rows`) */
+    float *scratch; /* `many_rows`: each share's widened block of W */
 };
 
 /* Values 8k..8k+7 of a row at 4 bits: one word, each lane shifted to its nibble. */
@@ -149,13 +152,97 @@ static void product_rows(const struct product *p, int start, int stop)
     }
 }
 
+/* Row r of W as float32 into `out`: each group's codes times its scale plus its bias. */
+VECTOR_INLINE void widen_row(const struct product *p, ptrdiff_t r, float *out)
+{
+    const uint32_t *row = p->codes + r * p->words;
+    for (ptrdiff_t g = 0; g < p->groups; g++) {
+        const float s = p->scales[r * p->groups + g], b = p->biases[r * p->groups + g];
+        const ptrdiff_t first = g * p->group;
+        if (p->bits == 4) {
+            for (ptrdiff_t k = first / 8; k < (first + p->group) / 8; k++)
+                store8(out + 8 * k, widen4(row[k]) * s + b);
+        } else { /* little-endian: value i of a row is its byte i */
+            const uint8_t *bytes = (const uint8_t *)row;
+            for (ptrdiff_t i = first; i < first + p->group; i++)
+                out[i] = (float)bytes[i] * s + b;
+        }
+    }
+}
+
+/* A few rows of x through W at once (a short turn's prompt): y[i * rows + r] = W_r .
+ * x_i. float32 products read four times the codes' bytes; here each block of
+ * MANY_W rows of W is widened into `wide` (cache-resident), then multiplied by x
+ * MANY_X rows at a time in sixteen-lane vectors (one AVX-512 register: a clone for
+ * CPUs that have them), each loaded vector used by four multiply-adds. Columns: a
+ * multiple of 16. */
+#define MANY_W 4
+#define MANY_X 4
+typedef float v16 __attribute__((vector_size(16 * sizeof(float))));
+#if defined(VECTOR_CLONES_X86) && __GNUC__ >= 12
+#define MANY_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define MANY_WIDE_CLONE 1
+#else
+#define MANY_CLONES VECTOR_CLONES
+#endif
+
+VECTOR_INLINE v16 load16(const float *p)
+{
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+MANY_CLONES
+static void many_rows(const struct product *p, int start, int stop, float *wide)
+{
+    const ptrdiff_t columns = (ptrdiff_t)p->groups * p->group;
+    for (int first = start; first < stop; first += MANY_W) {
+        int m = stop - first < MANY_W ? stop - first : MANY_W;
+        for (int r = 0; r < MANY_W; r++) {
+            if (r < m)
+                widen_row(p, first + r, wide + r * columns);
+            else
+                memset(wide + r * columns, 0, columns * sizeof(float));
+        }
+        for (int i = 0; i < p->n; i += MANY_X) {
+            int k = p->n - i < MANY_X ? p->n - i : MANY_X;
+            const float *xs[MANY_X];
+            for (int j = 0; j < MANY_X; j++) /* a short last tile repeats its last row */
+                xs[j] = p->x + (i + (j < k ? j : k - 1)) * columns;
+            v16 acc[MANY_W][MANY_X] = {{{0}}};
+            for (ptrdiff_t c = 0; c < columns; c += 16) {
+                v16 w[MANY_W], x[MANY_X];
+                for (int r = 0; r < MANY_W; r++)
+                    w[r] = load16(wide + r * columns + c);
+                for (int j = 0; j < MANY_X; j++)
+                    x[j] = load16(xs[j] + c);
+                for (int r = 0; r < MANY_W; r++)
+                    for (int j = 0; j < MANY_X; j++)
+                        acc[r][j] += w[r] * x[j];
+            }
+            for (int r = 0; r < m; r++)
+                for (int j = 0; j < k; j++) {
+                    float sum = 0;
+                    for (int l = 0; l < 16; l++)
+                        sum += acc[r][j][l];
+                    p->y[(ptrdiff_t)(i + j) * p->rows + first + r] = sum;
+                }
+        }
+    }
+}
+
 /* Share `index` of `shares`: whole row blocks, as even as they come. */
 static void product_share(const struct product *p, int index, int shares)
 {
     int blocks = (p->rows + ROW_BLOCK - 1) / ROW_BLOCK;
     int start = blocks * index / shares * ROW_BLOCK;
     int stop = blocks * (index + 1) / shares * ROW_BLOCK;
-    product_rows(p, start, stop < p->rows ? stop : p->rows);
+    stop = stop < p->rows ? stop : p->rows;
+    if (p->n > 1)
+        many_rows(p, start, stop, p->scratch + (ptrdiff_t)index * MANY_W * p->groups * p->group);
+    else
+        product_rows(p, start, stop);
 }
 
 static inline void relax(void)
@@ -310,11 +397,34 @@ int reprise_packed_gemv(const uint32_t *codes, const float *scales, const float 
                 for (int j = 0; j < 4; j++)
                     scratch[at + 8 * j + l] = x[at + 4 * l + j];
     struct product p = {codes, scales, biases, bits == 8 ? scratch : x, sums, rows,
-                        columns * bits / 32, groups, group, bits, y};
+                        columns * bits / 32, groups, group, bits, y, 1, NULL};
     if (threads > MAX_THREADS - 1)
         threads = MAX_THREADS - 1;
     if (threads < 2 || rows < 2 * ROW_BLOCK || !shared(&p, threads))
         product_rows(&p, 0, rows);
+    free(scratch);
+    return 1;
+}
+
+/* y = x W^T for `n` rows of x (n, groups * group), contiguous, y (n, rows): W as for
+ * `reprise_packed_gemv`, its columns a multiple of 16. False where there is no
+ * memory for the scratch. */
+int reprise_packed_rows(const uint32_t *codes, const float *scales, const float *biases,
+                        const float *x, int n, int rows, int groups, int group, int bits,
+                        float *y, int threads)
+{
+    if (threads > MAX_THREADS - 1)
+        threads = MAX_THREADS - 1;
+    if (threads < 1)
+        threads = 1;
+    size_t share = (size_t)MANY_W * groups * group;
+    float *scratch = malloc(share * threads * sizeof(float));
+    if (scratch == NULL)
+        return 0;
+    struct product p = {codes, scales, biases, x, NULL, rows, groups * group * bits / 32,
+                        groups, group, bits, y, n, scratch};
+    if (threads < 2 || rows < 2 * ROW_BLOCK || !shared(&p, threads))
+        product_share(&p, 0, 1);
     free(scratch);
     return 1;
 }
@@ -326,22 +436,8 @@ VECTOR_CLONES
 static void widen_rows(const struct product *p, int start, int stop, float *out)
 {
     const ptrdiff_t columns = (ptrdiff_t)p->groups * p->group;
-    for (ptrdiff_t r = start; r < stop; r++) {
-        const uint32_t *row = p->codes + r * p->words;
-        float *o = out + r * columns;
-        for (ptrdiff_t g = 0; g < p->groups; g++) {
-            const float s = p->scales[r * p->groups + g], b = p->biases[r * p->groups + g];
-            const ptrdiff_t first = g * p->group;
-            if (p->bits == 4) {
-                for (ptrdiff_t k = first / 8; k < (first + p->group) / 8; k++)
-                    store8(o + 8 * k, widen4(row[k]) * s + b);
-            } else { /* little-endian: value i of a row is its byte i */
-                const uint8_t *bytes = (const uint8_t *)row;
-                for (ptrdiff_t i = first; i < first + p->group; i++)
-                    o[i] = (float)bytes[i] * s + b;
-            }
-        }
-    }
+    for (ptrdiff_t r = start; r < stop; r++)
+        widen_row(p, r, out + r * columns);
 }
 
 /* W as float32 into `out` (rows, groups * group), the rows shared like a product's. */
@@ -349,13 +445,13 @@ void reprise_packed_widen(const uint32_t *codes, const float *scales, const floa
                           int rows, int groups, int group, int bits, float *out)
 {
     struct product p = {codes, scales, biases, NULL, NULL, rows, groups * group * bits / 32,
-                        groups, group, bits, NULL};
+                        groups, group, bits, NULL, 0, NULL};
     widen_rows(&p, 0, rows, out);
 }
 
 /* The version of the arguments above, for packed_rows.py to check (a stale build
  * beside newer Python is refused). */
-int reprise_packed_abi(void) { return 2; }
+int reprise_packed_abi(void) { return 3; }
 
 /* Whether this CPU runs the clone built for AVX2 and FMA, where the products here
  * beat float32 sgemv (a decode step 15.9 against 21.2 ms); the portable build took
@@ -365,6 +461,20 @@ int reprise_packed_fast(void)
 #ifdef VECTOR_CLONES_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+/* Whether this CPU runs `many_rows`' sixteen-lane clone (AVX-512), where a short
+ * turn's products through the codes beat float32 sgemm; its AVX2 build spills its
+ * tiles out of the sixteen registers it has. */
+int reprise_packed_many_fast(void)
+{
+#ifdef MANY_WIDE_CLONE
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
 #else
     return 0;
 #endif

@@ -28,7 +28,7 @@ import numpy as np
 
 _SWITCH = os.environ.get("REPRISE_PACKED_ROWS", "auto")  # "auto", "on" or "off"
 enabled = _SWITCH != "off"
-ABI = 2  # packed_rows.c's reprise_packed_abi()
+ABI = 3  # packed_rows.c's reprise_packed_abi()
 _P, _INT = ctypes.c_void_p, ctypes.c_int
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -148,6 +148,36 @@ def product(weight: PackedWeight, row: np.ndarray, threads: int = 1) -> np.ndarr
     return out
 
 
+def rows_product(weight: PackedWeight, x: np.ndarray, threads: int = 1) -> np.ndarray:
+    """`x @ W.T` for a few float32 rows x (n, columns) (a short turn's prompt), the
+    weight's rows shared among `threads` threads, as `product` does one row."""
+    codes, scales, biases, rows, groups, group, bits = weight._arguments
+    x = np.ascontiguousarray(x, np.float32)
+    if x.ndim != 2 or x.shape[1] != groups * group or not many_rows_take(weight):
+        raise ValueError(f"rows of {x.shape} for a weight of {weight.shape}")
+    out = np.empty((len(x), rows), dtype=np.float32)
+    threads = max(1, min(threads, _CORES or 1))
+    done = _load().reprise_packed_rows(
+        codes, scales, biases, _address(x), len(x), rows, groups, group, bits, _address(out),
+        threads,
+    )  # fmt: skip
+    if not done:
+        raise MemoryError("no memory for the rows' scratch")
+    return out
+
+
+def many_rows_take(weight: PackedWeight) -> bool:
+    """Whether `rows_product` takes this weight (its columns in whole vectors of 16)."""
+    return weight.shape[1] % 16 == 0
+
+
+def many_rows_faster_here() -> bool:
+    """Whether a short turn's products should read the codes (`rows_product`): the
+    library's AVX-512 build runs on this CPU (elsewhere float32 sgemm is faster)."""
+    library = _load()
+    return library is not None and enabled and bool(library.reprise_packed_many_fast())
+
+
 def widened(weight: PackedWeight) -> np.ndarray:
     """The weight in float32 (rows, columns), in this thread's scratch: valid until
     the thread's next call (a layer that keeps only its codes multiplies many rows
@@ -191,12 +221,16 @@ def _load() -> ctypes.CDLL | None:
     return _library
 
 
-def _open() -> ctypes.CDLL | None:
-    try:
-        from app.engine import _kvdecode
-    except ImportError:
-        return None
-    library = ctypes.CDLL(_kvdecode.__file__)
+def _open(path: str | None = None) -> ctypes.CDLL | None:
+    """The library (the built extension, or the one at `path`) with its functions'
+    C types; None where it is missing or was built for other arguments (`ABI`)."""
+    if path is None:
+        try:
+            from app.engine import _kvdecode
+        except ImportError:
+            return None
+        path = _kvdecode.__file__
+    library = ctypes.CDLL(path)
     if not hasattr(library, "reprise_packed_abi"):
         return None  # a build from before this file
     library.reprise_packed_abi.argtypes, library.reprise_packed_abi.restype = [], _INT
@@ -207,4 +241,7 @@ def _open() -> ctypes.CDLL | None:
     library.reprise_packed_gemv.restype = _INT
     library.reprise_packed_widen.argtypes = [_P, _P, _P, _INT, _INT, _INT, _INT, _P]
     library.reprise_packed_widen.restype = None
+    library.reprise_packed_rows.argtypes = [_P, _P, _P, _P, _INT, _INT, _INT, _INT, _INT, _P, _INT]
+    library.reprise_packed_rows.restype = _INT
+    library.reprise_packed_many_fast.argtypes, library.reprise_packed_many_fast.restype = [], _INT
     return library
