@@ -14,7 +14,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from app.engine.codecs import CODECS, LayerShape, TensorSpec, check_run
 from app.engine.layer_runs import Run, label, single_layers, split_runs
-from app.engine.stored_arrays import as_mlx, from_stored, joined_on_host
+from app.engine.stored_arrays import as_mlx, empty_layers, from_stored
 from app.engine.tokenstore import joined, layer_rows
 from sessions.cachefiles import CacheRejected
 
@@ -23,17 +23,23 @@ class ChunkJoin:
     """The chunks of one restore, for a model whose layers cache `shapes` (None for
     a layer that is not plain attention), saved as `fmt`."""
 
-    def __init__(self, shapes: list[LayerShape | None], fmt: str) -> None:
-        self.shapes, self.fmt = shapes, fmt
+    def __init__(self, shapes: list[LayerShape | None], fmt: str, tokens: int) -> None:
+        """`tokens`: how many the chunks hold together, from the first on."""
+        self.shapes, self.fmt, self.tokens = shapes, fmt, tokens
         self.classes: list[str | None] | None = None
-        self.pieces: dict[Run, dict[str, list[mx.array]]] = {}
+        self.pieces: dict[Run, dict[str, list]] = {}
+        self.placed: dict[tuple[int, str], tuple[mx.array, np.ndarray]] = {}
+        self.end = 0  # the tokens added so far
 
     def add(self, tensors: dict, classes: list[str | None], span: tuple[int, int]) -> None:
         """A chunk's tensors of tokens `span`, its layers of `classes`, checked and
-        appended to each run's pieces."""
+        appended to each run's pieces; tensors read into host memory and joined over
+        the chunks are copied into their layers' buffers at once (`_place`)."""
         if self.classes not in (None, classes):
             raise CacheRejected("chunks disagree on their layers' classes")
-        self.classes = classes
+        if span[0] != self.end or span[1] > self.tokens:
+            raise CacheRejected("the chunks do not follow one another")
+        self.classes, self.end = classes, span[1]
         runs = split_runs(tensors, len(self.shapes))
         self._check_layers(runs, classes)
         if self.pieces and runs.keys() != self.pieces.keys():
@@ -48,8 +54,28 @@ class ChunkJoin:
             check_run(run, named, specs[what], previous)
         for run, named in runs.items():
             kept = self.pieces.setdefault(run, {})
+            codec = CODECS[classes[run[0]]]
             for name, array in named.items():
+                if isinstance(array, np.ndarray) and codec.joins(name):
+                    self._place(run, name, array, span[0], codec.capacity(self.tokens))
+                    # what the checks and the build read of it: its shape and type
+                    array = np.broadcast_to(np.zeros((), array.dtype), array.shape)
                 kept.setdefault(name, []).append(array)
+
+    def _place(self, run: Run, name: str, array: np.ndarray, start: int, capacity: int) -> None:
+        """A chunk's tensor (layers first, tokens on axis 3) copied into each layer's
+        buffer from token `start` on; a layer's buffer made at its first chunk, with
+        zero rows up to `capacity` tokens (`stored_arrays.empty_layers`). The chunk's
+        memory can go as soon as this returns: a restore never holds a second copy of
+        the cache."""
+        first, last = run
+        missing = [i for i in range(first, last + 1) if (i, name) not in self.placed]
+        if missing:
+            layers = empty_layers(len(missing), array.shape[1:], capacity, array.dtype)
+            self.placed |= {(i, name): layer for i, layer in zip(missing, layers, strict=True)}
+        end = start + array.shape[3]
+        for i in range(first, last + 1):
+            np.copyto(self.placed[i, name][1][..., start:end, :], array[i - first])
 
     def _check_layers(self, runs: dict[Run, dict], classes: list[str | None]) -> None:
         """Each layer of a class is in one run of layers alike in class and shape, and
@@ -77,7 +103,9 @@ class ChunkJoin:
             count = sum(piece.shape[3] for piece in named["k.0"])
             capacity = codec.capacity(count)
             joined = {
-                name: _joined(parts, capacity) if codec.joins(name) else as_mlx(parts[0])
+                name: self._joined((first, last), name, parts, capacity)
+                if codec.joins(name)
+                else as_mlx(parts[0])
                 for name, parts in named.items()
             }
             # back to the type the model computes in
@@ -92,16 +120,15 @@ class ChunkJoin:
         mx.eval([array for codec, layer in built for array in codec.arrays(layer)])
         return cache
 
-
-def _joined(pieces: list, capacity: int) -> list[mx.array]:
-    """A tensor's pieces, one a chunk (layers first, tokens on axis 3), as an array per
-    layer with zero rows after them up to `capacity` tokens: read into host memory,
-    each layer's its own buffer (`joined_on_host`); already in mlx memory (the GPU's),
-    joined there, each layer a view of the run's buffer (the first token after the
-    restore copies it, at the GPU's speed)."""
-    if isinstance(pieces[0], np.ndarray):
-        return joined_on_host(pieces, capacity)
-    return layer_rows(from_stored(joined(pieces, capacity)))
+    def _joined(self, run: Run, name: str, pieces: list, capacity: int) -> list[mx.array]:
+        """A tensor of a run's layers joined over the chunks, an array per layer with
+        zero rows after its tokens up to `capacity`: read into host memory, each layer's
+        own buffer, filled as the chunks came (`_place`); in mlx memory (the GPU's),
+        joined there, each layer a view of the run's buffer (the first token after the
+        restore copies it, at the GPU's speed)."""
+        if (run[0], name) in self.placed:
+            return [from_stored(self.placed[i, name][0]) for i in range(run[0], run[1] + 1)]
+        return layer_rows(from_stored(joined(pieces, capacity)))
 
 
 def single_layers_of(pieces: dict[Run, dict[str, list]]) -> dict[Run, dict[str, list]]:

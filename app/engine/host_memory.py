@@ -6,10 +6,9 @@ returns large blocks to the OS: any block over its mmap threshold (which
 starts at 128 KB and only rises as such blocks are freed), and the free top of
 its heap past 128 KB. The next array of that size is then fresh memory, which
 the kernel maps a 4 KB page at a time as it is first written. A restore writes
-a whole cache into new buffers, so it paid that on every byte: 20 ms of a 4k-
-token restore's 60 (95 MB of float16 rows) went to mapping pages on this VM,
-and a restore took 22 ms where the memory came back from the heap
-(docs/probes/restore_probe.py, README).
+a whole cache into new buffers, so it paid that on every byte: repeated 4k-token
+restores (95 MB of float16 rows) took 60 ms each on this VM with glibc's
+defaults and 22 ms with the memory coming back from the heap (README).
 
 How: at engine import, blocks up to 32 MB (glibc's largest threshold) come
 from the heap, and up to `KEEP_BYTES` of free memory at its top stays mapped

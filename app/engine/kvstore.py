@@ -317,7 +317,7 @@ class KVStore:
                 self.fingerprint, entry.kv_format, key, start, end, part, len(self._shapes)
             )
             expected.append(manifest.expected())
-        join = ChunkJoin(self._shapes, entry.kv_format)
+        join = ChunkJoin(self._shapes, entry.kv_format, chunks[-1][2] if chunks else 0)
         total, size = 0, 0
         with closing(self._read_files(paths, expected)) as read:
             for (_, start, end, row), (tensors, metadata) in zip(chunks, read, strict=True):

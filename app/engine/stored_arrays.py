@@ -64,26 +64,21 @@ def as_mlx(array) -> mx.array:
     return from_stored(array if isinstance(array, mx.array) else mx.array(array))
 
 
-def joined_on_host(chunks: list[np.ndarray], capacity: int) -> list[mx.array]:
-    """Chunks of a run of layers read into host memory (layers first, tokens on axis
-    3), joined per layer into an mlx array of its own with zero rows after them up to
-    `capacity` tokens. numpy copies each chunk into its place through the new arrays'
-    buffers: mlx would first load every file into arrays of its own and then join
-    those, twice the fresh memory, which costs more than the copies where the OS maps
-    it page by page. A layer's own buffer, not a view of the run's: a view is not
-    mlx's to update in place, so the first token after a restore would copy every
-    layer."""
-    count = sum(chunk.shape[3] for chunk in chunks)
-    heads, width = chunks[0].shape[2], chunks[0].shape[4]
-    shape, dtype = (chunks[0].shape[1], heads, capacity, width), stored_type(chunks[0])
-    layers = [mx.zeros(shape, dtype) for _ in range(chunks[0].shape[0])]
+def empty_layers(
+    count: int, shape: tuple[int, ...], capacity: int, dtype: np.dtype
+) -> list[tuple[mx.array, np.ndarray]]:
+    """`count` new mlx arrays of `shape` (batch, heads, tokens, width) with `capacity`
+    tokens, zeros, each with a numpy view to copy a restore's chunks into (writable,
+    and held by nothing else: they were just made). A layer's own buffer, not a view
+    of one buffer of its run: a view is not mlx's to update in place, so the first
+    token after a restore would copy every layer."""
+    batch, heads, _, width = shape
+    layers = [
+        mx.zeros((batch, heads, capacity, width), _FROM_NUMPY[np.dtype(dtype)])
+        for _ in range(count)
+    ]
     mx.eval(layers)
-    for i, layer in enumerate(layers):
-        # Writable and held by nothing else: it was just made.
-        np.concatenate(
-            [chunk[i] for chunk in chunks], axis=2, out=np.asarray(layer)[..., :count, :]
-        )
-    return [from_stored(layer) for layer in layers]
+    return [(layer, np.asarray(layer)) for layer in layers]
 
 
 def load_mlx(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
