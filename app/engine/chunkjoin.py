@@ -24,12 +24,12 @@ class ChunkJoin:
     a layer that is not plain attention), saved as `fmt`."""
 
     def __init__(self, shapes: list[LayerShape | None], fmt: str, tokens: int) -> None:
-        """`tokens`: how many the chunks hold together, from the first on."""
+        """`tokens`: how many the chunks hold together, from the first on (their spans
+        follow one another: `KVStore.saved_chunks` checks)."""
         self.shapes, self.fmt, self.tokens = shapes, fmt, tokens
         self.classes: list[str | None] | None = None
         self.pieces: dict[Run, dict[str, list]] = {}
         self.placed: dict[tuple[int, str], tuple[mx.array, np.ndarray]] = {}
-        self.end = 0  # the tokens added so far
 
     def add(self, tensors: dict, classes: list[str | None], span: tuple[int, int]) -> None:
         """A chunk's tensors of tokens `span`, its layers of `classes`, checked and
@@ -37,9 +37,7 @@ class ChunkJoin:
         the chunks are copied into their layers' buffers at once (`_place`)."""
         if self.classes not in (None, classes):
             raise CacheRejected("chunks disagree on their layers' classes")
-        if span[0] != self.end or span[1] > self.tokens:
-            raise CacheRejected("the chunks do not follow one another")
-        self.classes, self.end = classes, span[1]
+        self.classes = classes
         runs = split_runs(tensors, len(self.shapes))
         self._check_layers(runs, classes)
         if self.pieces and runs.keys() != self.pieces.keys():
