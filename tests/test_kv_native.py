@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.engine import kvattention, kvcpu, kvnative
+from app.engine import cpu_blas, kvattention, kvcpu, kvnative
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import APP_SCHEMES, SIXTEEN_BIT, KVScheme
 
@@ -363,6 +363,16 @@ def test_a_short_turn_over_float16_rows_matches_the_oracle(
     keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
     want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask)
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 8), (4, 1)])
+def test_a_short_turn_on_two_threads_matches_the_oracle(monkeypatch, heads, kv_heads):
+    """A turn on two threads shares its KV heads with the helper thread (an odd count,
+    an even one, one alone): the same attention as the oracle's."""
+    monkeypatch.setattr(cpu_blas, "threads", lambda: 2)
+    test_a_short_turn_over_float16_rows_matches_the_oracle(
+        17, heads, kv_heads, 64, SIXTEEN_BIT, "causal"
+    )
 
 
 @pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")

@@ -17,10 +17,14 @@ products' tile.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+
 import mlx.core as mx
 import numpy as np
 
-from app.engine import cpu_attention, kvnative
+from app.engine import cpu_attention, cpu_blas, kvnative
 
 MAX_ROWS = 64  # a turn's rows this takes; a longer prompt is a prefill step's work
 
@@ -48,7 +52,8 @@ def applies(layout, queries: mx.array, mask, sinks) -> bool:
 
 def attention(layout, queries: mx.array, scale: float, mask) -> mx.array:
     """What the dense path gives for `queries` over `layout` (kvattention.PackedLayout):
-    rows that see every cached token but the turn's later ones (mask "causal"), or all."""
+    rows that see every cached token but the turn's later ones (mask "causal"), or all.
+    The KV heads are shared with a helper thread where the turn has two (`cpu_blas`)."""
     batch, heads, rows, dim = queries.shape
     mx.eval(queries, [store.buffers for store in (*layout.exact, *layout.bulk)])
     spans = _spans(layout)
@@ -59,20 +64,42 @@ def attention(layout, queries: mx.array, scale: float, mask) -> mx.array:
     qt = _transposed(np.asarray(queries).reshape(batch * kv_heads, used, dim), scale)
     tile = kvnative.TURN_VALUE_QUERIES
     out = np.zeros((batch * kv_heads, -(-used // tile) * tile, dim), np.float32)
-    # One KV head's scores at a time: 2 MB at 4k tokens, 17 MB for 128 queries at 32k.
-    st = np.empty((sum(part.shape[1] for part in keys), qt.shape[2]), np.float32)
-    for head in range(batch * kv_heads):
-        for part, into in zip(keys, _split(st, keys), strict=True):
-            kvnative.turn_scores(part[head], qt[head], into)
-        if mask == "causal":
-            _hide_future(st, rows, used)
-        # numpy's four passes over token-major scores took 0.9 ms a layer at 4k tokens
-        totals = kvnative.turn_softmax(st)
-        totals[totals == 0] = 1  # a query that sees nothing gives zeros, as cpu_attention
-        for part, weights in zip(values, _split(st, values), strict=True):
-            kvnative.turn_values(part[head], weights, out[head])
-        out[head, :used] /= totals[:used, None]
+
+    def attend(first: int, last: int) -> None:
+        """KV heads [first, last), one's scores at a time: 2 MB at 4k tokens, 17 MB for
+        128 queries at 32k."""
+        st = np.empty((sum(part.shape[1] for part in keys), qt.shape[2]), np.float32)
+        for head in range(first, last):
+            for part, into in zip(keys, _split(st, keys), strict=True):
+                kvnative.turn_scores(part[head], qt[head], into)
+            if mask == "causal":
+                _hide_future(st, rows, used)
+            # numpy's four passes over token-major scores took 0.9 ms a layer at 4k
+            totals = kvnative.turn_softmax(st)
+            totals[totals == 0] = 1  # a query that sees nothing: zeros, as cpu_attention
+            for part, weights in zip(values, _split(st, values), strict=True):
+                kvnative.turn_values(part[head], weights, out[head])
+            out[head, :used] /= totals[:used, None]
+
+    _shared(attend, batch * kv_heads)
     return mx.array(out[:, :used].reshape(batch, heads, rows, dim))
+
+
+def _shared(attend: Callable[[int, int], None], heads: int) -> None:
+    """attend(0, heads), the heads split with the helper thread where the turn runs on
+    two threads: the compiled calls let go of the GIL, so both run at once."""
+    if heads < 2 or (cpu_blas.threads() or 1) < 2:
+        attend(0, heads)
+        return
+    half = (heads + 1) // 2
+    helped = _helper().submit(attend, half, heads)
+    attend(0, half)
+    helped.result()
+
+
+@cache
+def _helper() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="turn-attention")
 
 
 def _spans(layout) -> list[tuple[bool, int, int]]:
