@@ -4,17 +4,19 @@ step that uses them against the dequantized oracle, with the library and without
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.engine import cpu_blas, kvattention, kvcpu, kvnative
+from app.engine import cpu_blas, kvattention, kvcpu, kvnative, turn_attention
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import APP_SCHEMES, SIXTEEN_BIT, KVScheme
 
@@ -373,6 +375,29 @@ def test_a_short_turn_on_two_threads_matches_the_oracle(monkeypatch, heads, kv_h
     test_a_short_turn_over_float16_rows_matches_the_oracle(
         17, heads, kv_heads, 64, SIXTEEN_BIT, "causal"
     )
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
+def test_a_forked_child_shares_its_heads_without_the_parent_s_helper(monkeypatch):
+    """The helper thread is not in a child of fork: a shared turn there must not wait
+    on it (the heads' work here is plain Python: mlx itself is not fork-safe)."""
+    monkeypatch.setattr(cpu_blas, "threads", lambda: 2)
+    done_heads = []
+    turn_attention._shared(lambda a, b: done_heads.extend(range(a, b)), 3)
+    assert sorted(done_heads) == [0, 1, 2]  # the helper took its share
+    child = os.fork()
+    if child == 0:
+        heads = []
+        turn_attention._shared(lambda a, b: heads.extend(range(a, b)), 3)
+        os._exit(0 if sorted(heads) == [0, 1, 2] else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child's turn never finished")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 @pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")

@@ -17,6 +17,7 @@ products' tile.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
@@ -100,6 +101,10 @@ def _shared(attend: Callable[[int, int], None], heads: int) -> None:
 @cache
 def _helper() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(1, thread_name_prefix="turn-attention")
+
+
+# A forked child has no helper thread: its first shared turn starts its own.
+os.register_at_fork(after_in_child=_helper.cache_clear)
 
 
 def _spans(layout) -> list[tuple[bool, int, int]]:
