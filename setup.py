@@ -11,7 +11,11 @@ setup(
     ext_modules=[
         Extension(
             "app.engine._kvdecode",
-            sources=["app/engine/kvdecode.c", "app/engine/packed_rows.c", "app/engine/short_turn.c"],
+            sources=[
+                "app/engine/kvdecode.c",
+                "app/engine/packed_rows.c",
+                "app/engine/short_turn.c",
+            ],
             depends=["app/engine/vector8.h"],
             # -Wno-psabi: kvdecode.c's vector helpers are always inlined, so GCC's
             # notes that passing them to an AVX2 clone changes the ABI do not apply.

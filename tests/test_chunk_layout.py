@@ -113,6 +113,14 @@ def _unlike_classes(_tensors: dict, metadata: dict) -> None:
     metadata["classes"] = json.dumps(["KVCache", "MixedKVCache"])
 
 
+def _sixteen_bits_of_two_types(tensors: dict, _metadata: dict) -> None:
+    """The sink (4-bit) or the values (16-bit) as bfloat16's raw bits, the rest float16:
+    each type alone is one a save writes, the two together are not."""
+    name = next((n for n in tensors if n.endswith(".sv")), None)
+    name = name or next(n for n in tensors if n.endswith(".v.0"))
+    tensors[name] = tensors[name].view(np.uint16)
+
+
 # (what is changed, in which chunk, the reason the restore gives)
 LIES = {
     "layers past the model's": (lambda t, m: _renamed(t, m, "0-2"), 1, "unexpected tensor '0-2."),
@@ -123,6 +131,7 @@ LIES = {
     "a format 3 tensor beside its run": (_beside_format_3, 1, "layers 0-0 are in two runs"),
     # In the first chunk: the next ones would disagree with its classes.
     "a run of unlike layers": (_unlike_classes, 0, "layers 0-1 are not alike"),
+    "16 bits of two types": (_sixteen_bits_of_two_types, 0, "16-bit tensors are of different"),
 }
 
 

@@ -400,6 +400,17 @@ def test_a_forked_child_shares_its_heads_without_the_parent_s_helper(monkeypatch
     assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
+def test_the_switch_that_turns_the_library_off_turns_off_the_short_turn_too(monkeypatch):
+    """`REPRISE_KV_NATIVE=off` keeps numpy and mlx for every product, a short turn's too."""
+    monkeypatch.setattr(kvnative, "enabled", False)
+    assert not kvnative.turn_fits(64)
+    layer = MixedKVCache(SIXTEEN_BIT)
+    keys = mx.random.normal((1, 3, 300, 64), key=mx.random.key(1))
+    layer.update_and_fetch(keys, keys)
+    queries = mx.random.normal((1, 9, 17, 64), key=mx.random.key(3))
+    assert not turn_attention.applies(layer.layout(), queries, "causal", None)
+
+
 @pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
 def test_a_short_turn_reads_the_float16_rows_where_they_are(monkeypatch):
     """A 17-token turn over the CPU path's float16 cache goes to the compiled products:

@@ -86,6 +86,15 @@ def test_a_few_rows_product_is_the_dequantized_weight_s(bits, group, rows, n, th
         assert_product(got[i], exact, x[i])
 
 
+@pytest.mark.parametrize("n", [0, 1])
+def test_fewer_than_two_rows_are_refused_before_the_c_is_called(n):
+    """One row is `product`'s (the C lays out its x for it), none is nothing to do:
+    neither reaches the many-rows product, which would read a one-row scratch."""
+    layer = quantized_layer(8, 64, 4, 32)
+    with pytest.raises(ValueError, match="rows of"):
+        packed_rows.rows_product(packed_rows.of_module(layer), np.ones((n, 64), np.float32))
+
+
 def test_two_callers_at_once_each_get_their_own_product():
     """The helpers serve one product at a time; the other caller does its own alone."""
     layers = [quantized_layer(512, 256, 4, 64, seed) for seed in range(2)]

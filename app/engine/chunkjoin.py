@@ -58,6 +58,8 @@ class ChunkJoin:
                     self._place(run, name, array, span[0], codec.capacity(self.tokens))
                     # what the checks and the build read of it: its shape and type
                     array = np.broadcast_to(np.zeros((), array.dtype), array.shape)
+                elif isinstance(array, np.ndarray):  # a view would hold its whole file
+                    array = array.copy()
                 kept.setdefault(name, []).append(array)
 
     def _place(self, run: Run, name: str, array: np.ndarray, start: int, capacity: int) -> None:

@@ -45,6 +45,11 @@ class TensorSpec:
     dtypes: tuple[mx.Dtype, ...]
     optional: bool = False  # a chunk may hold it or not
 
+    @property
+    def choice(self) -> bool:
+        """Whether its type is one of several (16 bits: float16, or bfloat16 as uint16)."""
+        return len(self.dtypes) > 1
+
 
 def attention_shapes(model) -> list[tuple[type, LayerShape | None]]:
     """Per layer (a CacheList's parts each in its place, `cache_parts`), its cache class
@@ -253,6 +258,11 @@ def check_run(run: Run, named: dict, specs: dict[str, TensorSpec], previous: dic
     if not required <= set(named) <= set(specs):
         raise CacheRejected(f"{label(run)} has the wrong tensors")
     layers = run[1] - run[0] + 1
+    # A run's 16-bit tensors (rows, scales, sink, recent rows) are of one type, as a
+    # save writes them; each name also keeps its type from chunk to chunk, so the
+    # tensors of one chunk only (the sink, the recent rows) agree with all the others.
+    if len({stored_type(a) for n, a in named.items() if n in specs and specs[n].choice}) > 1:
+        raise CacheRejected(f"{label(run)}: its 16-bit tensors are of different types")
     for name, array in named.items():
         spec = specs[name]
         if tuple(array.shape) != (layers, *spec.shape):

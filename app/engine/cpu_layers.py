@@ -327,7 +327,7 @@ def _through_codes(p: Projection, rows: int) -> bool:
     weights of 1536 x 576, 17 rows: 24 ms against sgemm's 34 on two threads, 36 against
     60 on one; level by 64 rows)."""
     return (
-        rows <= MANY_ROWS
+        2 <= rows <= MANY_ROWS
         and packed_rows.usable(p.packed)
         and packed_rows.many_rows_take(p.packed)
         and _many_rows_fast()

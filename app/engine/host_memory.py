@@ -47,10 +47,9 @@ def keep_freed_memory() -> bool:
     if libc is None:
         return False
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-        and libc.mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES)
-    )
+    mapped = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    kept = libc.mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES)
+    return bool(mapped and kept)
 
 
 kept = keep_freed_memory()

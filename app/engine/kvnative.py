@@ -54,6 +54,8 @@ def _open(path: str) -> ctypes.CDLL | None:
     library.reprise_turn_softmax.argtypes = [_FLOAT_P, _INT, _INT, _FLOAT_P]
     library.reprise_turn_scores.restype = library.reprise_turn_values.restype = None
     library.reprise_turn_softmax.restype = None
+    library.reprise_turn_limit.argtypes, library.reprise_turn_limit.restype = [_INT], _INT
+    library.turn_limits = tuple(library.reprise_turn_limit(which) for which in range(2))
     library.limits = tuple(library.reprise_kv_limit(which) for which in range(4))
     return library
 
@@ -162,13 +164,16 @@ def widen_halves(rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 # short_turn.c's tiles: queries in vectors of 16, two at a time for the scores, four
 # at a time for the values; dimensions four vectors at a time.
 TURN_QUERIES, TURN_VALUE_QUERIES, TURN_DIMS = 32, 4, 64
-TURN_MAX_QUERIES = 1024  # a KV head's queries the softmax holds
 
 
 def turn_fits(dim: int) -> bool:
-    """Whether short_turn.c takes rows `dim` wide."""
-    library = _load()
-    return library is not None and 0 < dim <= library.limits[0] and dim % TURN_DIMS == 0
+    """Whether short_turn.c takes rows `dim` wide (and is to be used: `available`)."""
+    return available() and 0 < dim <= _load().turn_limits[0] and dim % TURN_DIMS == 0
+
+
+def turn_max_queries() -> int:
+    """The most queries a KV head short_turn.c's softmax holds sums for."""
+    return _load().turn_limits[1]
 
 
 def turn_scores(rows: np.ndarray, qt: np.ndarray, st: np.ndarray) -> None:
@@ -187,10 +192,10 @@ def turn_scores(rows: np.ndarray, qt: np.ndarray, st: np.ndarray) -> None:
 
 def turn_softmax(st: np.ndarray) -> np.ndarray:
     """Token-major scores st (tokens, queries) contiguous float32, queries a multiple
-    of TURN_QUERIES up to TURN_MAX_QUERIES -> e^(score - its query's maximum), in
+    of TURN_QUERIES up to `turn_max_queries()` -> e^(score - its query's maximum), in
     place; each query's sum (queries,)."""
     _require(st.dtype == np.float32 and st.ndim == 2 and st.flags.c_contiguous)
-    _require(st.shape[1] % TURN_QUERIES == 0 and st.shape[1] <= TURN_MAX_QUERIES)
+    _require(st.shape[1] % TURN_QUERIES == 0 and st.shape[1] <= _load().turn_limits[1])
     totals = np.empty(st.shape[1], np.float32)
     _load().reprise_turn_softmax(st.ctypes.data, st.shape[0], st.shape[1], totals.ctypes.data)
     return totals

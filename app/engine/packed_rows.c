@@ -406,13 +406,15 @@ int reprise_packed_gemv(const uint32_t *codes, const float *scales, const float 
     return 1;
 }
 
-/* y = x W^T for `n` rows of x (n, groups * group), contiguous, y (n, rows): W as for
- * `reprise_packed_gemv`, its columns a multiple of 16. False where there is no
- * memory for the scratch. */
+/* y = x W^T for `n` >= 2 rows of x (n, groups * group), contiguous, y (n, rows): W
+ * as for `reprise_packed_gemv`, its columns a multiple of 16. False for fewer rows,
+ * or where there is no memory for the scratch. */
 int reprise_packed_rows(const uint32_t *codes, const float *scales, const float *biases,
                         const float *x, int n, int rows, int groups, int group, int bits,
                         float *y, int threads)
 {
+    if (n < 2) /* one row is `reprise_packed_gemv`'s (its x laid out for it) */
+        return 0;
     if (threads > MAX_THREADS - 1)
         threads = MAX_THREADS - 1;
     if (threads < 1)

@@ -149,11 +149,11 @@ def product(weight: PackedWeight, row: np.ndarray, threads: int = 1) -> np.ndarr
 
 
 def rows_product(weight: PackedWeight, x: np.ndarray, threads: int = 1) -> np.ndarray:
-    """`x @ W.T` for a few float32 rows x (n, columns) (a short turn's prompt), the
-    weight's rows shared among `threads` threads, as `product` does one row."""
+    """`x @ W.T` for a few float32 rows x (n >= 2, columns) (a short turn's prompt),
+    the weight's rows shared among `threads` threads, as `product` does one row."""
     codes, scales, biases, rows, groups, group, bits = weight._arguments
     x = np.ascontiguousarray(x, np.float32)
-    if x.ndim != 2 or x.shape[1] != groups * group or not many_rows_take(weight):
+    if x.ndim != 2 or len(x) < 2 or x.shape[1] != groups * group or not many_rows_take(weight):
         raise ValueError(f"rows of {x.shape} for a weight of {weight.shape}")
     out = np.empty((len(x), rows), dtype=np.float32)
     threads = max(1, min(threads, _CORES or 1))

@@ -215,3 +215,10 @@ void reprise_turn_values(const uint16_t *rows, ptrdiff_t stride, int tokens, int
         }
     }
 }
+
+/* The limits above, for kvnative.py to check every call against (0: a row's width,
+ * 1: a KV head's queries). */
+int reprise_turn_limit(int which)
+{
+    return which == 0 ? MAX_DIM : MAX_QUERIES;
+}

@@ -18,9 +18,9 @@ products' tile.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache
 
 import mlx.core as mx
 import numpy as np
@@ -38,7 +38,8 @@ def applies(layout, queries: mx.array, mask, sinks) -> bool:
     kv_heads = stores[0].buffers[0].shape[1] if stores else heads
     return (
         cpu_attention.enabled
-        and heads // kv_heads * rows <= kvnative.TURN_MAX_QUERIES
+        and kvnative.turn_fits(dim)
+        and heads // kv_heads * rows <= kvnative.turn_max_queries()
         and mx.default_device() == mx.cpu
         and 1 < rows <= MAX_ROWS
         and sinks is None
@@ -47,7 +48,6 @@ def applies(layout, queries: mx.array, mask, sinks) -> bool:
         and not layout.rotated
         and all(s.bits is None and s.dtype == mx.float16 for s in stores)
         and all(s.buffers[0].shape[3] == dim for s in stores)
-        and kvnative.turn_fits(dim)
     )
 
 
@@ -98,13 +98,26 @@ def _shared(attend: Callable[[int, int], None], heads: int) -> None:
     helped.result()
 
 
-@cache
+_executor: ThreadPoolExecutor | None = None
+_making = threading.Lock()
+
+
 def _helper() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(1, thread_name_prefix="turn-attention")
+    global _executor
+    with _making:  # two threads' first turns at once make one helper, not two
+        if _executor is None:
+            _executor = ThreadPoolExecutor(1, thread_name_prefix="turn-attention")
+        return _executor
 
 
-# A forked child has no helper thread: its first shared turn starts its own.
-os.register_at_fork(after_in_child=_helper.cache_clear)
+def _forget_helper() -> None:
+    """A forked child has no helper thread (nor any other thread to release the lock):
+    its first shared turn starts its own."""
+    global _executor, _making
+    _executor, _making = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_helper)
 
 
 def _spans(layout) -> list[tuple[bool, int, int]]:
