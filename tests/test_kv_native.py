@@ -337,6 +337,13 @@ def test_float16_rows_are_widened_exactly():
 WITH_EXACT_ROWS = KVScheme(None, None, 64, sink=4, window=64)
 
 
+@pytest.fixture(autouse=True)
+def _short_turns_compiled(monkeypatch):
+    """The short turn's products are taken only where their AVX-512 build runs; these
+    tests hold whatever build is here to the oracle (where the library was built)."""
+    monkeypatch.setattr(kvnative, "turn_faster_here", kvnative.available)
+
+
 @pytest.mark.parametrize(
     ("rows", "heads", "kv_heads", "dim", "scheme", "mask"),
     [
@@ -398,6 +405,17 @@ def test_a_forked_child_shares_its_heads_without_the_parent_s_helper(monkeypatch
         os.waitpid(child, 0)
         pytest.fail("the forked child's turn never finished")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_a_cpu_without_the_wide_build_keeps_mlx_s_route_for_a_short_turn(monkeypatch):
+    """Without AVX-512 a sixteen-lane tile spills (GCC 11's AVX2 build was 7x slower
+    than mlx's route): such a CPU keeps mlx's products."""
+    monkeypatch.setattr(kvnative, "turn_faster_here", lambda: False)
+    layer = MixedKVCache(SIXTEEN_BIT)
+    keys = mx.random.normal((1, 3, 300, 64), key=mx.random.key(1))
+    layer.update_and_fetch(keys, keys)
+    queries = mx.random.normal((1, 9, 17, 64), key=mx.random.key(3))
+    assert not turn_attention.applies(layer.layout(), queries, "causal", None)
 
 
 def test_the_switch_that_turns_the_library_off_turns_off_the_short_turn_too(monkeypatch):

@@ -56,6 +56,7 @@ def _open(path: str) -> ctypes.CDLL | None:
     library.reprise_turn_softmax.restype = None
     library.reprise_turn_limit.argtypes, library.reprise_turn_limit.restype = [_INT], _INT
     library.turn_limits = tuple(library.reprise_turn_limit(which) for which in range(2))
+    library.reprise_turn_fast.argtypes, library.reprise_turn_fast.restype = [], _INT
     library.limits = tuple(library.reprise_kv_limit(which) for which in range(4))
     return library
 
@@ -169,6 +170,12 @@ TURN_QUERIES, TURN_VALUE_QUERIES, TURN_DIMS = 32, 4, 64
 def turn_fits(dim: int) -> bool:
     """Whether short_turn.c takes rows `dim` wide (and is to be used: `available`)."""
     return available() and 0 < dim <= _load().turn_limits[0] and dim % TURN_DIMS == 0
+
+
+def turn_faster_here() -> bool:
+    """Whether a short turn's attention should go to short_turn.c: its AVX-512 build
+    runs on this CPU (its AVX2 build spills its tiles, slower than mlx's route)."""
+    return available() and bool(_load().reprise_turn_fast())
 
 
 def turn_max_queries() -> int:

@@ -32,12 +32,14 @@ MAX_ROWS = 64  # a turn's rows this takes; a longer prompt is a prefill step's w
 
 def applies(layout, queries: mx.array, mask, sinks) -> bool:
     """A float32 turn of 2..MAX_ROWS rows, no mask but the causal one, over float16
-    rows in a width the products take (the CPU path's 16 bits), where they were built."""
+    rows in a width the products take (the CPU path's 16 bits), where their AVX-512
+    build runs."""
     heads, rows, dim = queries.shape[1:]
     stores = [s for s in (*layout.exact, *layout.bulk) if s.buffers]
     kv_heads = stores[0].buffers[0].shape[1] if stores else heads
     return (
         cpu_attention.enabled
+        and kvnative.turn_faster_here()
         and kvnative.turn_fits(dim)
         and heads // kv_heads * rows <= kvnative.turn_max_queries()
         and mx.default_device() == mx.cpu
