@@ -112,12 +112,12 @@ def _thread_stacks() -> str:
     return "\n".join([*stacks, f"--- no Python frame (idle in C or Qt): {idle}"])
 
 
-@pytest.fixture(params=["mlx reads", "read ahead"])
+@pytest.fixture(params=["into place", "read ahead"])
 def reading(request, monkeypatch):
-    """Both ways a restore reads cache files: mlx's loader into its memory (the CPU, Apple
-    silicon), and, as where the GPU has memory of its own, our reader into host memory
-    (chunks by threads reading ahead), each file then copied to the device (here that
-    copy is mlx's CPU load)."""
+    """Both ways a restore reads cache files: our reader into host memory, each chunk
+    then copied into its layers' buffers (the CPU, Apple silicon); and, as where the GPU
+    has memory of its own, the same reader on threads reading ahead, each file then
+    copied to the device (here that copy is mlx's CPU load) and joined there."""
     if request.param == "read ahead":
         from app.engine import kvstore, stored_arrays
 
