@@ -9,12 +9,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from children import assert_child_succeeds
 
 from app.engine import cpu_blas, kvattention, kvcpu, kvnative, turn_attention
 from app.engine.kvquant import MixedKVCache
@@ -397,14 +397,7 @@ def test_a_forked_child_shares_its_heads_without_the_parent_s_helper(monkeypatch
         heads = []
         turn_attention._shared(lambda a, b: heads.extend(range(a, b)), 3)
         os._exit(0 if sorted(heads) == [0, 1, 2] else 1)
-    deadline = time.monotonic() + 60
-    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if done[0] == 0:
-        os.kill(child, 9)
-        os.waitpid(child, 0)
-        pytest.fail("the forked child's turn never finished")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert_child_succeeds(child, "turn")
 
 
 def test_a_cpu_without_the_wide_build_keeps_mlx_s_route_for_a_short_turn(monkeypatch):

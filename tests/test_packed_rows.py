@@ -9,13 +9,13 @@ import os
 import platform
 import sys
 import threading
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from children import assert_child_succeeds
 from test_cpu_layers import _SMALL, FAMILIES, logits_of_steps
 
 from app.engine import cpu_blas, cpu_layers, loading, packed_rows
@@ -127,14 +127,7 @@ def test_a_forked_child_multiplies_without_the_parent_s_helpers():
     if child == 0:
         right = np.allclose(packed_rows.product(weight, x, 2), exact @ x, rtol=1e-4, atol=1e-3)
         os._exit(0 if right else 1)
-    deadline = time.monotonic() + 60
-    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if done[0] == 0:
-        os.kill(child, 9)
-        os.waitpid(child, 0)
-        pytest.fail("the forked child's product never finished")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert_child_succeeds(child, "product")
 
 
 @pytest.mark.parametrize(("bits", "group"), [(3, 32), (6, 64), (2, 32)])

@@ -29,23 +29,6 @@
 #define MAX_QUERIES 64
 #define MAX_GROUPS 64
 
-/* float16 bits as a float32: shifted 13 places up, a float16's exponent and
- * mantissa are a float32's of the value times 2^-112 (subnormals included).
- * Infinities and NaN come out finite, as in kvcpu._widen_half: a KV row never
- * holds them. */
-static inline float half_to_float(uint16_t h)
-{
-    uint32_t magnitude = (uint32_t)(h & 0x7fff) << 13;
-    float f;
-    memcpy(&f, &magnitude, sizeof f);
-    f *= 0x1p112f;
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits |= (uint32_t)(h & 0x8000) << 16;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* Row `row` of `dim` values as float32 into `out`. */
 static inline void widen_row(const uint8_t *restrict row, int dim, int bits,
                              float *restrict out)

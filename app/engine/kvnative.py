@@ -57,6 +57,7 @@ def _open(path: str) -> ctypes.CDLL | None:
     library.reprise_turn_limit.argtypes, library.reprise_turn_limit.restype = [_INT], _INT
     library.turn_limits = tuple(library.reprise_turn_limit(which) for which in range(2))
     library.reprise_turn_fast.argtypes, library.reprise_turn_fast.restype = [], _INT
+    library.turn_fast = bool(library.reprise_turn_fast())  # asked once: every turn's layers ask
     library.limits = tuple(library.reprise_kv_limit(which) for which in range(4))
     return library
 
@@ -175,7 +176,7 @@ def turn_fits(dim: int) -> bool:
 def turn_faster_here() -> bool:
     """Whether a short turn's attention should go to short_turn.c: its AVX-512 build
     runs on this CPU (its AVX2 build spills its tiles, slower than mlx's route)."""
-    return available() and bool(_load().reprise_turn_fast())
+    return available() and _load().turn_fast
 
 
 def turn_max_queries() -> int:

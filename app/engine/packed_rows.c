@@ -178,22 +178,8 @@ VECTOR_INLINE void widen_row(const struct product *p, ptrdiff_t r, float *out)
  * multiple of 16. */
 #define MANY_W 4
 #define MANY_X 4
-typedef float v16 __attribute__((vector_size(16 * sizeof(float))));
-#if defined(VECTOR_CLONES_X86) && __GNUC__ >= 12
-#define MANY_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#define MANY_WIDE_CLONE 1
-#else
-#define MANY_CLONES VECTOR_CLONES
-#endif
 
-VECTOR_INLINE v16 load16(const float *p)
-{
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-MANY_CLONES
+WIDE_CLONES
 static void many_rows(const struct product *p, int start, int stop, float *wide)
 {
     const ptrdiff_t columns = (ptrdiff_t)p->groups * p->group;
@@ -471,13 +457,4 @@ int reprise_packed_fast(void)
 /* Whether this CPU runs `many_rows`' sixteen-lane clone (AVX-512), where a short
  * turn's products through the codes beat float32 sgemm; its AVX2 build spills its
  * tiles out of the sixteen registers it has. */
-int reprise_packed_many_fast(void)
-{
-#ifdef MANY_WIDE_CLONE
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-#else
-    return 0;
-#endif
-}
+int reprise_packed_many_fast(void) { return wide_clone_runs(); }

@@ -35,41 +35,6 @@
 #define DIM_VECTORS 4 /* dimensions of a values tile: 64 */
 #define VALUE_BLOCK 32 /* value rows widened at a time: 8 KB of float32 at 64 wide */
 
-typedef float v16 __attribute__((vector_size(WIDE * sizeof(float))));
-
-/* A v16 is one AVX-512 register: a clone for CPUs that have them (x86-64-v4), beside
- * vector8.h's AVX2 and plain ones (where a v16 is two or four registers). */
-#if defined(VECTOR_CLONES_X86) && __GNUC__ >= 12
-#define TURN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#define TURN_WIDE_CLONE 1
-#else
-#define TURN_CLONES VECTOR_CLONES
-#endif
-
-VECTOR_INLINE v16 load16(const float *p)
-{
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-VECTOR_INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-/* float16 bits as a float32, as kvdecode.c's half_to_float (exponent and mantissa
- * shifted into place and scaled by 2^112; a KV row holds no infinities or NaN). */
-static inline float half_to_float(uint16_t h)
-{
-    uint32_t magnitude = (uint32_t)(h & 0x7fff) << 13;
-    float f;
-    memcpy(&f, &magnitude, sizeof f);
-    f *= 0x1p112f;
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits |= (uint32_t)(h & 0x8000) << 16;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* Rows t .. t + count - 1 (`stride` halves apart) as float32 into `out`, `dim` apart;
  * rows count .. block - 1 zeroed. */
 static inline void widen_rows(const uint16_t *rows, ptrdiff_t stride, int t, int count,
@@ -128,7 +93,7 @@ VECTOR_INLINE v16 exp16(v16 x)
 /* Token-major scores (tokens x queries, queries a multiple of 16, at most
  * MAX_QUERIES) -> e^(score - its query's maximum), in place; each query's sum into
  * `totals`. Row by row, each query's running maximum and sum in a vector lane. */
-TURN_CLONES
+WIDE_CLONES
 void reprise_turn_softmax(float *st, int tokens, int queries, float *totals)
 {
     v16 top[MAX_QUERIES / WIDE], sum[MAX_QUERIES / WIDE];
@@ -153,7 +118,7 @@ void reprise_turn_softmax(float *st, int tokens, int queries, float *totals)
 
 /* st[t * queries + j] = row_t . q_j for `tokens` float16 rows `stride` halves apart
  * and `queries` queries (a multiple of 32) given transposed: qt[d * queries + j]. */
-TURN_CLONES
+WIDE_CLONES
 void reprise_turn_scores(const uint16_t *rows, ptrdiff_t stride, int tokens, int dim,
                          const float *qt, int queries, float *st)
 {
@@ -183,7 +148,7 @@ void reprise_turn_scores(const uint16_t *rows, ptrdiff_t stride, int tokens, int
 /* out[j * dim + :] += sum_t pt[t * queries + j] row_t for j < used (a multiple of
  * TILE_QUERIES, at most `queries`), `tokens` float16 rows `stride` halves apart; dim
  * a multiple of DIM_VECTORS * 16. */
-TURN_CLONES
+WIDE_CLONES
 void reprise_turn_values(const uint16_t *rows, ptrdiff_t stride, int tokens, int dim,
                          const float *pt, int queries, int used, float *out)
 {
@@ -224,16 +189,7 @@ int reprise_turn_limit(int which)
     return which == 0 ? MAX_DIM : MAX_QUERIES;
 }
 
-/* Whether this CPU runs the sixteen-lane clone (AVX-512). Elsewhere a v16 is two or
- * four registers and the tiles spill: GCC 11's AVX2 build took 14.7 ms a layer of the
- * starter at 4k tokens, where mlx's route (rows widened, OpenBLAS) took 1.9. */
-int reprise_turn_fast(void)
-{
-#ifdef TURN_WIDE_CLONE
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-#else
-    return 0;
-#endif
-}
+/* Whether this CPU runs the sixteen-lane clone (AVX-512). Elsewhere the tiles spill:
+ * GCC 11's AVX2 build took 14.7 ms a layer of the starter at 4k tokens, where mlx's
+ * route (rows widened, OpenBLAS) took 1.9. */
+int reprise_turn_fast(void) { return wide_clone_runs(); }
