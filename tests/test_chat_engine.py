@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from app.engine import chat as chat_module
+from app.engine import cpu_blas
 from app.engine import steps as steps_module
 from app.engine.chat import ChatSession, ContextFull
 from app.engine.generation import (
@@ -19,7 +20,7 @@ from app.engine.generation import (
     TurnFinished,
 )
 from app.engine.kvquant import MixedKVCache
-from app.engine.steps import common_prefix_length
+from app.engine.steps import common_prefix_length, make_next_token
 
 
 def run(session, messages, **kwargs) -> tuple[TurnFinished, list]:
@@ -98,6 +99,39 @@ def test_edit_reuses_the_prefix_before_the_edited_message(tiny_model):
     assert result.stats.reused_tokens == shared
     fresh, _ = run(ChatSession(tiny_model), edited, sampling=GREEDY)
     assert result.text == fresh.text
+
+
+def test_the_cpu_path_hands_out_the_first_token_before_computing_the_next(tiny_model):
+    """A CPU-path step is computed in the call: computing the next token before the
+    first was shown made every reply's first token wait a whole decode step."""
+    assert cpu_blas.available()  # the CPU path, as on this machine
+    session = ChatSession(tiny_model)
+    for event in session.reply([{"role": "user", "content": "go on"}], sampling=GREEDY):
+        if isinstance(event, TextDelta):
+            # the first generated token is out; the cache holds the prompt alone
+            assert cache_offset(session) == len(session.tokens) - 1
+            break
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["fed ahead", "fed when asked"])
+@pytest.mark.parametrize("taken", [1, 4])
+def test_the_cache_holds_every_token_handed_out_wherever_the_caller_stops(tiny_model, ahead, taken):
+    model, prompt = tiny_model.model, [5, 6, 7, 8]
+    cache = make_prompt_cache(model)
+    next_token = make_next_token(model, cache, GREEDY, lambda _: None, list(prompt))
+    fed = []
+
+    def counted(inputs: mx.array) -> mx.array:
+        fed.append(inputs.size)
+        return next_token(inputs)
+
+    tokens = steps_module.decode(counted, prompt, ahead=ahead)
+    handed = [next(tokens) for _ in range(taken)]
+    # fed when asked, the step after a token runs only once the caller asks for more
+    assert len(fed) == taken + (1 if ahead else 0)
+    tokens.close()
+    assert len(handed) == taken
+    assert cache[0].offset == len(prompt) + taken
 
 
 def test_stop_between_tokens_keeps_cache_and_tokens_in_step(tiny_model):

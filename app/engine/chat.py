@@ -231,7 +231,8 @@ class ChatSession:
         detokenizer = self.loaded.tokenizer.detokenizer  # a fresh copy
         eos = set(self.loaded.tokenizer.eos_token_ids)
         reason = "length"
-        tokens = decode(next_token, prompt_tail)
+        # The CPU path computes a step in the call: hand each token out first.
+        tokens = decode(next_token, prompt_tail, ahead=not cpu_blas.available())
         for token in tokens:
             self.tokens.append(token)
             turn.generated += 1

@@ -91,22 +91,31 @@ def make_next_token(
     return next_token
 
 
-def decode(next_token: Callable[[mx.array], mx.array], prompt_tail: Sequence[int]) -> Iterator[int]:
+def decode(
+    next_token: Callable[[mx.array], mx.array], prompt_tail: Sequence[int], ahead: bool = True
+) -> Iterator[int]:
     """Generated token ids, one at a time, for as long as the caller takes them.
 
-    Each token is fed into the cache (computing the one after it, asynchronously)
-    before it is handed out, so wherever the caller stops, the cache holds every
-    token it was given.
+    Wherever the caller stops, the cache holds every token it was given. `ahead`:
+    each token is fed into the cache (computing the one after it, asynchronously)
+    before it is handed out, so that the device computes while the caller handles
+    the token. Where a step is computed at once, in the call (the CPU path's numpy
+    layers and BLAS products), that would keep each token until the next one was
+    computed, a whole step later; there a token is handed out first and fed when the
+    caller asks for the next one, or stops.
     """
     y = next_token(mx.array(prompt_tail))  # the last prompt tokens, at least one
     mx.async_eval(y)
     while True:
-        next_y = next_token(y)
-        mx.async_eval(next_y)
+        if ahead:
+            next_y = next_token(y)
+            mx.async_eval(next_y)
         token = y.item()
         try:
             yield token
         except GeneratorExit:
-            mx.eval(next_y)  # the caller is done: let the cache settle
+            mx.eval(next_y if ahead else next_token(y))  # the cache settles
             raise
+        if not ahead:
+            next_y = next_token(y)
         y = next_y
