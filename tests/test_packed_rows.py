@@ -117,6 +117,29 @@ def test_two_callers_at_once_each_get_their_own_product():
     assert wrong == []
 
 
+def test_helpers_parked_at_any_moment_still_serve_every_product():
+    """A short turn parks the helpers (they sleep instead of waiting on) while another
+    thread's products may be under way: each product still comes out right, and
+    none waits for a helper that went to sleep."""
+    layer = quantized_layer(512, 256, 4, 64)
+    weight, exact = packed_rows.of_module(layer), exact_weight(layer)
+    x = np.random.default_rng(5).standard_normal(256).astype(np.float32)
+    wrong, done = [], threading.Event()
+
+    def multiply() -> None:
+        for _ in range(2000):
+            if not np.allclose(packed_rows.product(weight, x, 2), exact @ x, 1e-4, 1e-3):
+                wrong.append(1)
+        done.set()
+
+    caller = threading.Thread(target=multiply)
+    caller.start()
+    while not done.is_set():
+        packed_rows.park_helpers()
+    caller.join(timeout=60)
+    assert done.is_set() and wrong == []
+
+
 def test_a_forked_child_multiplies_without_the_parent_s_helpers():
     """A child of fork has no helper threads: its product must not wait for them."""
     layer = quantized_layer(256, 128, 8, 32)

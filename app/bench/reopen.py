@@ -106,6 +106,9 @@ def measure(
         f.read_bytes()
     raw_read_s = time.perf_counter() - started
 
+    # A restart leaves no cache in memory: the reopened engine's restore gets the memory
+    # the builder's cache had, as an app's restore does (it drops the cache it held first).
+    builder.session.reset()
     reopened = ConversationEngine(open_db(), loaded)  # a new engine, as after a restart
     planned = reopened.reopen_estimates(entry, len(entry.tokens))
     # Measure the restore whichever path the planner would take; its choice is scored below.

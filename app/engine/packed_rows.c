@@ -35,10 +35,22 @@
 
 #define MAX_THREADS 16
 #define ROW_BLOCK 4 /* rows multiplied together: each x chunk loaded once for them */
-/* Polls by a helper before it sleeps (about 0.1 ms): the gaps between a layer's
- * products are shorter. Spinning 4x longer held a core that the attention's OpenBLAS
- * threads wanted at 4k tokens (43.8 against 35.3 ms a step, 10 rounds alternated). */
+/* How a helper waits for the next product: SPIN polls (about 0.1 ms: the gaps
+ * between a layer's products are shorter), then up to YIELDS polls each after a
+ * sched_yield (milliseconds: a decode step's attention between a layer's products
+ * took 0.15-0.5 ms), then asleep. Woken from sleep, a helper came late to every
+ * layer's output projection: 40 tok/s at 1k tokens, against 52-53 with the yields
+ * (two rounds alternated); the yields give the core to any other thread that wants
+ * it. Spinning that long without yielding held a core that the attention's OpenBLAS
+ * threads wanted at 4k tokens (43.8 against 35.3 ms a step, 10 rounds alternated).
+ * Threads of this process about to want the cores park the helpers at once
+ * (`reprise_packed_park`). */
+#ifndef SPIN
 #define SPIN 5000
+#endif
+#ifndef YIELDS
+#define YIELDS 20000
+#endif
 
 typedef uint32_t v8u __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef int32_t v8i __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -257,12 +269,20 @@ static struct {
     int shares;
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER};
 
+/* Cleared by `reprise_packed_park`, set again by the next product. */
+static atomic_int may_spin = 1;
+
 static unsigned next_product(int index, unsigned seen)
 {
     atomic_uint *given = &pool.given[index];
     unsigned now = atomic_load_explicit(given, memory_order_acquire);
-    for (int spin = 0; now == seen && spin < SPIN; spin++) {
-        relax();
+    for (int spin = 0; now == seen && spin < SPIN + YIELDS; spin++) {
+        if (!atomic_load_explicit(&may_spin, memory_order_relaxed))
+            break;
+        if (spin < SPIN)
+            relax();
+        else
+            sched_yield();
         now = atomic_load_explicit(given, memory_order_acquire);
     }
     if (now == seen) {
@@ -336,6 +356,7 @@ static int shared(const struct product *p, int threads)
         pthread_mutex_unlock(&pool.busy);
         return 0;
     }
+    atomic_store_explicit(&may_spin, 1, memory_order_relaxed);
     pool.product = p;
     pool.shares = threads < helpers + 1 ? threads : helpers + 1;
     atomic_store_explicit(&pool.pending, pool.shares - 1, memory_order_relaxed);
@@ -437,9 +458,13 @@ void reprise_packed_widen(const uint32_t *codes, const float *scales, const floa
     widen_rows(&p, 0, rows, out);
 }
 
+/* The helpers go to sleep now rather than wait on for the next product: the caller
+ * is about to run threads of its own (a short turn's attention). */
+void reprise_packed_park(void) { atomic_store_explicit(&may_spin, 0, memory_order_relaxed); }
+
 /* The version of the arguments above, for packed_rows.py to check (a stale build
  * beside newer Python is refused). */
-int reprise_packed_abi(void) { return 3; }
+int reprise_packed_abi(void) { return 4; }
 
 /* Whether this CPU runs the clone built for AVX2 and FMA, where the products here
  * beat float32 sgemv (a decode step 15.9 against 21.2 ms); the portable build took

@@ -28,7 +28,7 @@ import numpy as np
 
 _SWITCH = os.environ.get("REPRISE_PACKED_ROWS", "auto")  # "auto", "on" or "off"
 enabled = _SWITCH != "off"
-ABI = 3  # packed_rows.c's reprise_packed_abi()
+ABI = 4  # packed_rows.c's reprise_packed_abi()
 _P, _INT = ctypes.c_void_p, ctypes.c_int
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -178,6 +178,14 @@ def many_rows_faster_here() -> bool:
     return library is not None and enabled and bool(library.reprise_packed_many_fast())
 
 
+def park_helpers() -> None:
+    """Have the products' helper threads sleep now instead of waiting on for the next
+    product: the caller is about to run threads of its own on the cores."""
+    library = _load()
+    if library is not None:
+        library.reprise_packed_park()
+
+
 def widened(weight: PackedWeight) -> np.ndarray:
     """The weight in float32 (rows, columns), in this thread's scratch: valid until
     the thread's next call (a layer that keeps only its codes multiplies many rows
@@ -244,4 +252,5 @@ def _open(path: str | None = None) -> ctypes.CDLL | None:
     library.reprise_packed_rows.argtypes = [_P, _P, _P, _P, _INT, _INT, _INT, _INT, _INT, _P, _INT]
     library.reprise_packed_rows.restype = _INT
     library.reprise_packed_many_fast.argtypes, library.reprise_packed_many_fast.restype = [], _INT
+    library.reprise_packed_park.argtypes, library.reprise_packed_park.restype = [], None
     return library

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from app.engine import cpu_attention, cpu_blas, kvnative
+from app.engine import cpu_attention, cpu_blas, kvnative, packed_rows
 
 MAX_ROWS = 64  # a turn's rows this takes; a longer prompt is a prefill step's work
 
@@ -95,6 +95,7 @@ def _shared(attend: Callable[[int, int], None], heads: int) -> None:
         attend(0, heads)
         return
     half = (heads + 1) // 2
+    packed_rows.park_helpers()  # their waiting would take a core from these two threads
     helped = _helper().submit(attend, half, heads)
     attend(0, half)
     helped.result()
