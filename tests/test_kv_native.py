@@ -232,12 +232,14 @@ def test_a_checkout_with_a_compiler_builds_and_uses_the_library(monkeypatch):
     """`make setup` compiles kvdecode.c; a decode step over a packed cache calls it."""
     assert kvnative.available()
     calls = []
-    original = kvnative.scores
-    monkeypatch.setattr(kvnative, "scores", lambda *a: calls.append(a) or original(*a))
+    original = kvnative.attend
+    monkeypatch.setattr(kvnative, "attend", lambda *a: calls.append(a) or original(*a))
     layer = _filled(APP_SCHEMES["8-bit"])
     queries = mx.random.normal((1, 4, 1, 64), key=mx.random.key(3))
     layer.attend(queries, 0.125, None)
-    assert len(calls) == 2 * 2  # exact rows and bulk, for each of 2 KV heads
+    stores = calls[0][0]
+    assert len(calls) == 1  # the layer's every KV head in one call
+    assert [rows.tokens > 0 for rows in stores] == [True] * 4  # exact rows and bulk
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["library", "numpy"])
@@ -271,8 +273,8 @@ def test_a_decode_step_at_the_edges_of_a_layout_matches_the_oracle(monkeypatch, 
     start past their front, more query heads a KV head than the C holds sums for."""
     scheme, batch, ratio, tokens, window, native = edge
     calls = []
-    original = kvnative.values
-    monkeypatch.setattr(kvnative, "values", lambda *a: calls.append(a[0]) or original(*a))
+    original = kvnative.attend
+    monkeypatch.setattr(kvnative, "attend", lambda *a: calls.append(a[0]) or original(*a))
     layer = MixedKVCache(scheme, **window)
     keys, values = (mx.random.normal((batch, 2, tokens, 64), key=mx.random.key(k)) for k in (1, 2))
     layer.update_and_fetch(keys[..., :-1, :], values[..., :-1, :])
@@ -283,9 +285,32 @@ def test_a_decode_step_at_the_edges_of_a_layout_matches_the_oracle(monkeypatch, 
     keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
     want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125)
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
-    stores = 2 if scheme.window else 1  # exact rows and bulk; a store with no rows is skipped
-    assert len(calls) == (stores * 2 * batch if native else 0)  # each KV head
-    assert all(rows.tokens for rows in calls)
+    assert len(calls) == (1 if native else 0)  # every KV head of the batch at once
+    stores = 2 if scheme.window else 1  # exact rows and bulk, keys and values of each
+    assert all(sum(rows.tokens > 0 for rows in call) == 2 * stores for call in calls)
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("scheme", [APP_SCHEMES["8-bit"], APP_SCHEMES["4-bit"], SIXTEEN_BIT])
+def test_a_decode_step_shared_among_threads_matches_the_oracle(monkeypatch, scheme, threads):
+    """The tokens of a layer's attention are shared among the products' threads, each
+    share's softmax on its own maximum, joined after: any number of shares, runs of
+    exact and quantized rows split unevenly among them, gives the oracle's output."""
+    monkeypatch.setattr(cpu_blas, "threads", lambda: threads)
+    shared = []
+    original = kvnative.attend
+    monkeypatch.setattr(kvnative, "attend", lambda *a: shared.append(a[-1]) or original(*a))
+    layer = MixedKVCache(scheme)
+    keys, values = (mx.random.normal((1, 2, 701, 64), key=mx.random.key(k)) for k in (4, 5))
+    layer.update_and_fetch(keys[..., :-1, :], values[..., :-1, :])
+    layer.update_and_fetch(keys[..., -1:, :], values[..., -1:, :])
+    queries = mx.random.normal((1, 6, 1, 64), key=mx.random.key(6)) * 3
+    got = layer.attend(queries, 0.125, None)
+    keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125)
+    assert shared == [threads]
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
 
 
 def _filled(scheme: KVScheme) -> MixedKVCache:

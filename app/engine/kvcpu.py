@@ -73,26 +73,12 @@ def decode(layout, queries: mx.array, scale: float) -> mx.array:
 
 
 def _native(stores: list, q: np.ndarray, bulk_q: np.ndarray) -> np.ndarray:
-    """`decode` by the compiled products (kvnative), a KV head at a time: scores of the
-    exact rows and of the bulk into one array, one softmax, then both value sums."""
-    exact_k, exact_v, bulk_k, bulk_v = stores
-    rows = exact_k.tokens
-    scores = np.empty((*q.shape[:2], rows + bulk_k.tokens), np.float32)
-    keys = ((exact_k, q, slice(0, rows)), (bulk_k, bulk_q, slice(rows, None)))
-    values = ((exact_v, slice(0, rows)), (bulk_v, slice(rows, None)))
-    # A call costs some µs in Python: none for a store with no rows (the 16-bit
-    # scheme's exact rows, a short cache's bulk).
-    for head in range(len(q)):
-        for store, query, span in keys:
-            if store.tokens:
-                kvnative.scores(store, head, query[head], scores[head, :, span])
-    totals = cpu_attention.exp_in_place(scores)
-    out = np.zeros((*q.shape[:2], exact_v.dim), np.float32)
-    for head in range(len(q)):
-        for store, span in values:
-            if store.tokens:
-                kvnative.values(store, head, scores[head, :, span], out[head])
-    out /= totals
+    """`decode` by the compiled code (kvnative.attend): scores of the exact rows and of
+    the bulk, one softmax, both value sums, every KV head in one call, the tokens
+    shared among the turn's threads (the products' helpers: `cpu_blas.threads`)."""
+    out = np.empty((*q.shape[:2], stores[1].dim), np.float32)
+    q, bulk_q = np.ascontiguousarray(q), np.ascontiguousarray(bulk_q)
+    kvnative.attend(stores, q, bulk_q, out, cpu_blas.threads() or 1)
     return out
 
 

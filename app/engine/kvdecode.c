@@ -18,6 +18,8 @@
  */
 
 #include <Python.h>
+#include <math.h>
+#include <stdlib.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -30,7 +32,7 @@
 #define MAX_GROUPS 64
 
 /* Row `row` of `dim` values as float32 into `out`. */
-static inline void widen_row(const uint8_t *restrict row, int dim, int bits,
+VECTOR_INLINE void widen_row(const uint8_t *restrict row, int dim, int bits,
                              float *restrict out)
 {
     if (bits == 8) {
@@ -100,7 +102,7 @@ _Static_assert(BLOCK == LANES, "lane_sums reduces one vector a row of a block");
  * `wide` (BLOCK rows of `dim`, rows past the last token zeroed) and each group's
  * scales and biases into `s` and `b` (group g's at g * BLOCK; 1 and 0 for float16
  * rows). Returns how many tokens the block holds. */
-static inline int load_block(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
+VECTOR_INLINE int load_block(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
                              const uint16_t *biases, ptrdiff_t scale_stride, int t, int tokens,
                              int dim, int bits, int groups, float *wide, float *s, float *b)
 {
@@ -123,8 +125,7 @@ static inline int load_block(const uint8_t *rows, ptrdiff_t row_stride, const ui
 /* out[j, t] = q_j . row_t for `tokens` rows `row_stride` bytes apart; scales and
  * biases (NULL for float16 rows) hold `groups` values a token, `scale_stride`
  * apart; q is (queries, dim), contiguous; out's rows are `out_stride` apart. */
-VECTOR_CLONES
-void reprise_kv_scores(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
+VECTOR_INLINE void head_scores(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
                        const uint16_t *biases, ptrdiff_t scale_stride, int tokens, int dim,
                        int bits, int groups, const float *q, int queries, float *out,
                        ptrdiff_t out_stride)
@@ -165,8 +166,7 @@ void reprise_kv_scores(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t
 
 /* out[j] += sum_t w[j, t] row_t, rows and scales as for the scores; w's rows are
  * `w_stride` apart; out is (queries, dim), contiguous. */
-VECTOR_CLONES
-void reprise_kv_values(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
+VECTOR_INLINE void head_values(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
                        const uint16_t *biases, ptrdiff_t scale_stride, int tokens, int dim,
                        int bits, int groups, const float *w, ptrdiff_t w_stride, int queries,
                        float *out)
@@ -202,6 +202,227 @@ void reprise_kv_values(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t
                 out[j * dim + g * size + d] += bias_terms[j * groups + g];
 }
 
+VECTOR_CLONES
+void reprise_kv_scores(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
+                       const uint16_t *biases, ptrdiff_t scale_stride, int tokens, int dim,
+                       int bits, int groups, const float *q, int queries, float *out,
+                       ptrdiff_t out_stride)
+{
+    head_scores(rows, row_stride, scales, biases, scale_stride, tokens, dim, bits, groups, q,
+                queries, out, out_stride);
+}
+
+VECTOR_CLONES
+void reprise_kv_values(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
+                       const uint16_t *biases, ptrdiff_t scale_stride, int tokens, int dim,
+                       int bits, int groups, const float *w, ptrdiff_t w_stride, int queries,
+                       float *out)
+{
+    head_values(rows, row_stride, scales, biases, scale_stride, tokens, dim, bits, groups, w,
+                w_stride, queries, out);
+}
+
+/* A store of a layer's cache as `reprise_kv_attend` reads it, every KV head: the
+ * arguments `reprise_kv_scores` takes for head 0, and how far apart heads are
+ * (rows in bytes, scales in halves). */
+enum {
+    ROWS, ROW_STRIDE, HEAD_STRIDE, SCALES, BIASES, SCALE_STRIDE, SCALE_HEAD_STRIDE,
+    TOKENS, DIM, BITS, GROUPS, STORE_FIELDS
+};
+
+static inline const uint8_t *head_rows(const int64_t *store, int h)
+{
+    return (const uint8_t *)(intptr_t)store[ROWS] + h * store[HEAD_STRIDE];
+}
+
+static inline const uint16_t *head_halves(const int64_t *store, int which, int h)
+{
+    if (!store[which])
+        return NULL;
+    return (const uint16_t *)(intptr_t)store[which] + h * store[SCALE_HEAD_STRIDE];
+}
+
+/* Tokens [first, last) of store `s`, KV head h. */
+VECTOR_INLINE void store_scores(const int64_t *s, int h, int first, int last, const float *q,
+                                int queries, float *out, ptrdiff_t out_stride)
+{
+    const uint16_t *scales = head_halves(s, SCALES, h), *biases = head_halves(s, BIASES, h);
+    ptrdiff_t skip = (ptrdiff_t)first * s[SCALE_STRIDE];
+    head_scores(head_rows(s, h) + first * s[ROW_STRIDE], s[ROW_STRIDE],
+                scales ? scales + skip : NULL, biases ? biases + skip : NULL, s[SCALE_STRIDE],
+                last - first, (int)s[DIM], (int)s[BITS], (int)s[GROUPS], q, queries, out,
+                out_stride);
+}
+
+VECTOR_INLINE void store_values(const int64_t *s, int h, int first, int last, const float *w,
+                                ptrdiff_t w_stride, int queries, float *out)
+{
+    const uint16_t *scales = head_halves(s, SCALES, h), *biases = head_halves(s, BIASES, h);
+    ptrdiff_t skip = (ptrdiff_t)first * s[SCALE_STRIDE];
+    head_values(head_rows(s, h) + first * s[ROW_STRIDE], s[ROW_STRIDE],
+                scales ? scales + skip : NULL, biases ? biases + skip : NULL, s[SCALE_STRIDE],
+                last - first, (int)s[DIM], (int)s[BITS], (int)s[GROUPS], w, w_stride, queries,
+                out);
+}
+
+/* row[0 .. n) -> e^(row - its maximum), in place; their sum, and the maximum into
+ * `top` (-inf, and a sum of 0, for a row that sees nothing). */
+VECTOR_INLINE float exp_row(float *row, int n, float *top)
+{
+    v16 tops = splat(-INFINITY);
+    int full = n - n % 16;
+    for (int i = 0; i < full; i += 16)
+        tops = larger(tops, load16(row + i));
+    float most = -INFINITY;
+    for (int l = 0; l < 16; l++)
+        most = tops[l] > most ? tops[l] : most;
+    for (int i = full; i < n; i++)
+        most = row[i] > most ? row[i] : most;
+    *top = most;
+    if (!isfinite(most)) {
+        memset(row, 0, (size_t)n * sizeof(float));
+        return 0;
+    }
+    v16 sums = splat(0.0f);
+    for (int i = 0; i < full; i += 16) {
+        v16 e = exp16(load16(row + i) - splat(most));
+        store16(row + i, e);
+        sums += e;
+    }
+    float tail[16];
+    for (int l = 0; l < 16; l++)
+        tail[l] = full + l < n ? row[full + l] - most : -INFINITY;
+    v16 e = exp16(load16(tail));
+    memcpy(row + full, &e, (size_t)(n - full) * sizeof(float));
+    sums += e; /* past n: e^-inf, 0 */
+    float total = 0;
+    for (int l = 0; l < 16; l++)
+        total += sums[l];
+    return total;
+}
+
+/* One layer's decode attention, shared by threads along the tokens: each share
+ * takes a run of every head's exact rows and of its bulk rows, and leaves its
+ * queries' value sums (weighted by e^(score - its own maximum)), the weights' sum
+ * and that maximum in its part of `work`; `reprise_kv_attend` joins the shares. */
+struct attend_job {
+    const int64_t *keys[2], *values[2]; /* the exact rows', then the bulk's */
+    const float *query[2];              /* q for the exact rows, bulk_q for the bulk */
+    int kv_heads, queries;
+    float *work;
+};
+
+static inline int part_tokens(const struct attend_job *a, int part)
+{
+    return (int)a->keys[part][TOKENS];
+}
+
+/* The floats of a share's part of `work`, when the tokens go to `shares` shares. */
+static inline ptrdiff_t share_floats(const struct attend_job *a, int shares)
+{
+    ptrdiff_t rows = 0;
+    for (int part = 0; part < 2; part++)
+        rows += (part_tokens(a, part) + shares - 1) / shares;
+    ptrdiff_t sums = (ptrdiff_t)a->kv_heads * a->queries;
+    return a->queries * rows + sums * (a->values[1][DIM] + 2);
+}
+
+VECTOR_CLONES
+static void attend_share(const void *job, int share, int shares)
+{
+    const struct attend_job *a = job;
+    int first[2], last[2], rows = 0, queries = a->queries;
+    for (int part = 0; part < 2; part++) {
+        first[part] = (int)((int64_t)part_tokens(a, part) * share / shares);
+        last[part] = (int)((int64_t)part_tokens(a, part) * (share + 1) / shares);
+        rows += last[part] - first[part];
+    }
+    int key_dim = (int)a->keys[1][DIM], value_dim = (int)a->values[1][DIM];
+    ptrdiff_t per = share_floats(a, shares), count = (ptrdiff_t)a->kv_heads * queries;
+    /* scores first, then (at the part's end) value sums, maxima and weights' sums */
+    float *scores = a->work + share * per;
+    float *partial = scores + per - count * (value_dim + 2);
+    float *tops = partial + count * value_dim;
+    float *sums = tops + count;
+    for (int h = 0; h < a->kv_heads; h++) {
+        float *into = partial + (ptrdiff_t)h * queries * value_dim;
+        int at = 0;
+        for (int part = 0; part < 2; part++) {
+            if (last[part] > first[part])
+                store_scores(a->keys[part], h, first[part], last[part],
+                             a->query[part] + (ptrdiff_t)h * queries * key_dim, queries,
+                             scores + at, rows);
+            at += last[part] - first[part];
+        }
+        for (int j = 0; j < queries; j++)
+            sums[h * queries + j] = exp_row(scores + (ptrdiff_t)j * rows, rows,
+                                            &tops[h * queries + j]);
+        memset(into, 0, (size_t)queries * value_dim * sizeof(float));
+        at = 0;
+        for (int part = 0; part < 2; part++) {
+            if (last[part] > first[part])
+                store_values(a->values[part], h, first[part], last[part], scores + at, rows,
+                             queries, into);
+            at += last[part] - first[part];
+        }
+    }
+}
+
+/* Tokens below which a layer's attention is not shared: waking a helper costs more. */
+#define SHARED_FROM 256
+
+/* A decode step's attention of one layer, every KV head at once, on up to `threads`
+ * threads (packed_rows.c's helpers): `queries` query rows a head (q, and bulk_q for
+ * the bulk's rotated keys: (kv_heads, queries, key dim), contiguous) against its
+ * exact rows then its bulk rows, one softmax over both, their values weighted, over
+ * the softmax's total. `stores`: exact keys, exact values, bulk keys, bulk values,
+ * STORE_FIELDS each. out: (kv_heads, queries, value dim), contiguous; a query that
+ * sees nothing gets zeros. What kvcpu.py's numpy code does. False where there is no
+ * memory for the shares' sums. */
+int reprise_kv_attend(const int64_t *stores, int kv_heads, const float *q, const float *bulk_q,
+                      int queries, int threads, float *out)
+{
+    struct attend_job a = {
+        {stores, stores + 2 * STORE_FIELDS}, {stores + STORE_FIELDS, stores + 3 * STORE_FIELDS},
+        {q, bulk_q}, kv_heads, queries, NULL};
+    threads = threads < 1 ? 1 : threads;
+    int tokens = part_tokens(&a, 0) + part_tokens(&a, 1), value_dim = (int)a.values[1][DIM];
+    /* room for any number of shares up to `threads` (`share_floats` rounds up) */
+    ptrdiff_t room = threads * share_floats(&a, threads) + 2 * threads * queries;
+    a.work = malloc((size_t)room * sizeof(float));
+    if (a.work == NULL)
+        return 0;
+    int shares = tokens >= SHARED_FROM ? reprise_share(attend_share, &a, threads) : 0;
+    if (shares == 0) {
+        shares = 1;
+        attend_share(&a, 0, 1);
+    }
+    ptrdiff_t per = share_floats(&a, shares), count = (ptrdiff_t)kv_heads * queries;
+    for (ptrdiff_t hj = 0; hj < count; hj++) {
+        float most = -INFINITY, total = 0;
+        for (int s = 0; s < shares; s++) {
+            const float *tops = a.work + (s + 1) * per - 2 * count;
+            most = tops[hj] > most ? tops[hj] : most;
+        }
+        float *into = out + hj * value_dim;
+        memset(into, 0, (size_t)value_dim * sizeof(float));
+        for (int s = 0; s < shares; s++) {
+            const float *tops = a.work + (s + 1) * per - 2 * count;
+            if (!(tops[hj] > -INFINITY))
+                continue; /* a share that saw nothing */
+            float weight = exp16(splat(tops[hj] - most))[0];
+            total += tops[count + hj] * weight;
+            const float *partial = tops - count * value_dim + hj * value_dim;
+            for (int d = 0; d < value_dim; d++)
+                into[d] += weight * partial[d];
+        }
+        for (int d = 0; total > 0 && d < value_dim; d++)
+            into[d] /= total;
+    }
+    free(a.work);
+    return 1;
+}
+
 /* `runs` runs of `count` float16 values, run r at src + r * src_stride, as float32 one
  * after another into dst: a float16 cache's rows for the products of a short turn's
  * query rows (kvcpu.widened). 0.08 ms for a layer's 4k rows of keys here, against
@@ -221,7 +442,7 @@ void reprise_kv_widen_halves(const uint16_t *src, ptrdiff_t src_stride, ptrdiff_
 /* The version of the functions' arguments: kvnative.py refuses a library of another
  * (a stale build beside newer Python) rather than call it wrongly. */
 #ifndef REPRISE_KV_ABI
-#define REPRISE_KV_ABI 3
+#define REPRISE_KV_ABI 4
 #endif
 
 /* The limits above and the version, for kvnative.py to check against. */

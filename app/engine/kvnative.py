@@ -19,7 +19,7 @@ _INT, _SIZE, _FLOAT_P, _P = ctypes.c_int, ctypes.c_ssize_t, ctypes.c_void_p, cty
 _ROWS = [_P, _SIZE, _P, _P, _SIZE, _INT, _INT, _INT, _INT]  # a store's rows, as in the C
 
 enabled = os.environ.get("REPRISE_KV_NATIVE", "on") != "off"
-ABI = 3  # kvdecode.c's REPRISE_KV_ABI: the arguments `_ROWS` and the calls below pass
+ABI = 4  # kvdecode.c's REPRISE_KV_ABI: the arguments `_ROWS` and the calls below pass
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -47,6 +47,8 @@ def _open(path: str) -> ctypes.CDLL | None:
     library.reprise_kv_scores.argtypes = [*_ROWS, _FLOAT_P, _INT, _FLOAT_P, _SIZE]
     library.reprise_kv_values.argtypes = [*_ROWS, _FLOAT_P, _SIZE, _INT, _FLOAT_P]
     library.reprise_kv_scores.restype = library.reprise_kv_values.restype = None
+    library.reprise_kv_attend.argtypes = [_P, _INT, _FLOAT_P, _FLOAT_P, _INT, _INT, _FLOAT_P]
+    library.reprise_kv_attend.restype = _INT
     library.reprise_kv_widen_halves.argtypes = [_P, _SIZE, _SIZE, _SIZE, _FLOAT_P]
     library.reprise_kv_widen_halves.restype = None
     library.reprise_turn_scores.argtypes = [_P, _SIZE, _INT, _INT, _FLOAT_P, _INT, _FLOAT_P]
@@ -125,6 +127,43 @@ class Rows:
             self.codes[head].ctypes.data, self.codes.strides[1], *scales,
             self.tokens, self.dim, self.bits, self.groups,
         ]  # fmt: skip
+
+    def fields(self) -> list[int]:
+        """The store as `reprise_kv_attend` reads it, every head (its `STORE_FIELDS`)."""
+        if self.scales is None:
+            scales = [0, 0, 0, 0]
+        else:
+            scales = [self.scales.ctypes.data, self.biases.ctypes.data]
+            scales += [self.scales.strides[1] // 2, self.scales.strides[0] // 2]
+        return [
+            self.codes.ctypes.data, self.codes.strides[1], self.codes.strides[0], *scales[:2],
+            *scales[2:], self.tokens, self.dim, self.bits, self.groups,
+        ]  # fmt: skip
+
+
+def attend(
+    stores: list[Rows], q: np.ndarray, bulk_q: np.ndarray, out: np.ndarray, threads: int = 1
+) -> None:
+    """A decode step's attention of one layer (kvcpu.decode's maths, in one call), its
+    tokens shared among up to `threads` threads: `stores` exact keys, exact values,
+    bulk keys, bulk values; q and bulk_q (KV heads, queries, key dim) contiguous
+    float32, the bulk's query rotated where its keys are; out (KV heads, queries,
+    value dim) contiguous float32."""
+    exact_k, exact_v, bulk_k, bulk_v = stores
+    heads, queries, key_dim = q.shape
+    _require(all(rows.fits(queries) and len(rows.codes) == heads for rows in stores))
+    _require(exact_k.tokens == exact_v.tokens and bulk_k.tokens == bulk_v.tokens)
+    _require(exact_k.dim == bulk_k.dim == key_dim and exact_v.dim == bulk_v.dim)
+    for array in (q, bulk_q, out):
+        _require(array.dtype == np.float32 and array.flags.c_contiguous)
+    _require(bulk_q.shape == q.shape and out.shape == (heads, queries, bulk_v.dim))
+    fields = np.array([field for rows in stores for field in rows.fields()], np.int64)
+    done = _load().reprise_kv_attend(
+        fields.ctypes.data, heads, q.ctypes.data, bulk_q.ctypes.data, queries,
+        max(1, threads), out.ctypes.data,
+    )  # fmt: skip
+    if not done:
+        raise MemoryError("no memory for a layer's attention sums")
 
 
 def scores(rows: Rows, head: int, q: np.ndarray, out: np.ndarray) -> None:

@@ -265,7 +265,8 @@ static struct {
     atomic_int pending;
     int helpers; /* started so far */
     unsigned started_at[MAX_THREADS]; /* `given[i]` when helper i was started */
-    const struct product *product;
+    share_fn run; /* what the helpers run now: run(job, share, shares) */
+    const void *job;
     int shares;
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -300,7 +301,7 @@ static void *helper(void *arg)
     unsigned seen = pool.started_at[index]; /* not `given` now: it may be past this */
     for (;;) {
         seen = next_product(index, seen);
-        product_share(pool.product, index, pool.shares);
+        pool.run(pool.job, index, pool.shares);
         atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
     }
     return NULL;
@@ -344,10 +345,16 @@ static void set_up(void)
     pthread_atfork(NULL, NULL, forget_helpers);
 }
 
-/* Shares the product among the caller and `threads` - 1 helpers; false where the
- * helpers are another product's now, or none could start. */
-static int shared(const struct product *p, int threads)
+/* run(job, share, shares) for shares 0 .. shares - 1, share 0 by the caller and the
+ * others by helpers at once; how many shares it made (at most `threads`), 0 where
+ * the helpers are another caller's now or none could start (the caller then does
+ * it all). The products here share their rows so; kvdecode.c's attention its tokens. */
+int reprise_share(share_fn run, const void *job, int threads)
 {
+    if (threads > MAX_THREADS - 1)
+        threads = MAX_THREADS - 1;
+    if (threads < 2)
+        return 0;
     pthread_once(&once, set_up);
     if (pthread_mutex_trylock(&pool.busy) != 0)
         return 0;
@@ -357,16 +364,18 @@ static int shared(const struct product *p, int threads)
         return 0;
     }
     atomic_store_explicit(&may_spin, 1, memory_order_relaxed);
-    pool.product = p;
+    pool.job = job;
+    pool.run = run;
     pool.shares = threads < helpers + 1 ? threads : helpers + 1;
-    atomic_store_explicit(&pool.pending, pool.shares - 1, memory_order_relaxed);
+    int shares = pool.shares;
+    atomic_store_explicit(&pool.pending, shares - 1, memory_order_relaxed);
     pthread_mutex_lock(&pool.lock);
-    for (int i = 1; i < pool.shares; i++)
+    for (int i = 1; i < shares; i++)
         atomic_fetch_add_explicit(&pool.given[i], 1, memory_order_release);
     pthread_mutex_unlock(&pool.lock);
-    for (int i = 1; i < pool.shares; i++)
+    for (int i = 1; i < shares; i++)
         pthread_cond_signal(&pool.wake[i]);
-    product_share(p, 0, pool.shares);
+    run(job, 0, shares);
     /* A helper not running (more threads than free cores: the window's, OpenBLAS's)
      * is given the core after a while, not spun against for a whole time slice. */
     for (int spin = 0; atomic_load_explicit(&pool.pending, memory_order_acquire) > 0; spin++)
@@ -375,7 +384,12 @@ static int shared(const struct product *p, int threads)
         else
             sched_yield();
     pthread_mutex_unlock(&pool.busy);
-    return 1;
+    return shares;
+}
+
+static void product_job(const void *job, int share, int shares)
+{
+    product_share(job, share, shares);
 }
 
 /* y = W x: W (rows, words) uint32 codes, `groups` scales and biases a row (float32,
@@ -407,7 +421,7 @@ int reprise_packed_gemv(const uint32_t *codes, const float *scales, const float 
                         columns * bits / 32, groups, group, bits, y, 1, NULL};
     if (threads > MAX_THREADS - 1)
         threads = MAX_THREADS - 1;
-    if (threads < 2 || rows < 2 * ROW_BLOCK || !shared(&p, threads))
+    if (threads < 2 || rows < 2 * ROW_BLOCK || !reprise_share(product_job, &p, threads))
         product_rows(&p, 0, rows);
     free(scratch);
     return 1;
@@ -432,7 +446,7 @@ int reprise_packed_rows(const uint32_t *codes, const float *scales, const float 
         return 0;
     struct product p = {codes, scales, biases, x, NULL, rows, groups * group * bits / 32,
                         groups, group, bits, y, n, scratch};
-    if (threads < 2 || rows < 2 * ROW_BLOCK || !shared(&p, threads))
+    if (threads < 2 || rows < 2 * ROW_BLOCK || !reprise_share(product_job, &p, threads))
         product_share(&p, 0, 1);
     free(scratch);
     return 1;

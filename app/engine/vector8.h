@@ -63,6 +63,46 @@ VECTOR_INLINE v16 load16(const float *p)
 
 VECTOR_INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
+/* Sixteen lanes' helpers, and e^x: the softmaxes of a short turn (short_turn.c) and
+ * of a decode step (kvdecode.c). */
+typedef int32_t v16i __attribute__((vector_size(16 * sizeof(int32_t))));
+
+VECTOR_INLINE v16 splat(float x)
+{
+    return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+/* The lane-wise larger of a and b (C has no ?: for vectors). */
+VECTOR_INLINE v16 larger(v16 a, v16 b)
+{
+    v16i pick_a = a > b;
+    return (v16)(((v16i)a & pick_a) | ((v16i)b & ~pick_a));
+}
+
+/* e^x lane-wise, to about 2 ulp: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its
+ * Taylor series to r^7, 2^n put into the exponent bits. x below -87 (the causal
+ * mask's -inf among them) or NaN gives 0, as a float32 e^x underflows to nothing
+ * beside a query's largest term, 1. */
+VECTOR_INLINE v16 exp16(v16 x)
+{
+    v16i kept = x >= splat(-87.0f);
+    x = larger(x, splat(-87.0f));
+    x = -larger(-x, splat(-88.0f)); /* at most 88: 2^n stays finite */
+    const v16 round = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    v16 n = (x * splat(1.44269504f) + round) - round;
+    v16 r = x - n * splat(0.693145752f) - n * splat(1.42860677e-6f);
+    v16 p = splat(1.0f / 5040);
+    p = p * r + splat(1.0f / 720);
+    p = p * r + splat(1.0f / 120);
+    p = p * r + splat(1.0f / 24);
+    p = p * r + splat(1.0f / 6);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    v16i scale = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return (v16)((v16i)(p * (v16)scale) & kept);
+}
+
 /* Whether this CPU runs the WIDE_CLONES' AVX-512 clone: elsewhere the code built of
  * sixteen-lane tiles is slower than the float32 BLAS route it replaces. */
 static inline int wide_clone_runs(void)
@@ -92,5 +132,10 @@ static inline float half_to_float(uint16_t h)
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+
+/* packed_rows.c's helper threads, which kvdecode.c's attention shares too: see
+ * `reprise_share` there. */
+typedef void (*share_fn)(const void *job, int share, int shares);
+int reprise_share(share_fn run, const void *job, int threads);
 
 #endif
