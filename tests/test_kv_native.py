@@ -54,22 +54,24 @@ CASES = [  # (bits, dim, group, queries, tokens): partial blocks of 8, 1 to 9 qu
 
 @pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
 @pytest.mark.parametrize(("bits", "dim", "group", "queries", "tokens"), CASES, ids=str)
-def test_scores_and_values_equal_numpy_on_the_dequantized_rows(bits, dim, group, queries, tokens):
+def test_a_layer_s_attention_equals_numpy_on_the_dequantized_rows(
+    bits, dim, group, queries, tokens
+):
+    """`attend` on 16-bit rows (the exact part) then the case's rows (the bulk), one
+    softmax over both, on one thread and shared among two."""
     heads = 3
-    rows, wide = packed_rows(bits, heads, tokens, dim, group)
-    assert rows.fits(queries)
+    bulk, wide = packed_rows(bits, heads, tokens, dim, group)
+    exact, exact_wide = packed_rows(None, heads, 5, dim, dim)
     rng = np.random.default_rng(tokens)
     q = rng.standard_normal((heads, queries, dim), np.float32)
-    w = rng.random((heads, queries, tokens + 5), np.float32)[..., 2 : 2 + tokens]
-    scores = np.full((heads, queries, tokens + 4), np.nan, np.float32)
-    out = np.ones((heads, queries, dim), np.float32)
-    for head in range(heads):
-        kvnative.scores(rows, head, q[head], scores[head, :, 4:])
-        kvnative.values(rows, head, w[head], out[head])
-    want_scores = np.einsum("hqd,htd->hqt", q, wide)
-    np.testing.assert_allclose(scores[..., 4:], want_scores, rtol=1e-4, atol=1e-3)
-    assert np.isnan(scores[..., :4]).all()  # nothing written outside the given span
-    np.testing.assert_allclose(out, 1 + np.einsum("hqt,htd->hqd", w, wide), rtol=1e-4, atol=1e-3)
+    rows = np.concatenate([exact_wide, wide], axis=1)
+    scores = np.einsum("hqd,htd->hqt", q, rows)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    want = np.einsum("hqt,htd->hqd", weights / weights.sum(axis=-1, keepdims=True), rows)
+    for threads in (1, 2):
+        out = np.full((heads, queries, dim), np.nan, np.float32)
+        kvnative.attend([exact, exact, bulk, bulk], q, q, out, threads)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
 TURN_CASES = [  # (dim, queries, tokens): partial tiles of tokens and queries
@@ -147,10 +149,11 @@ def test_shapes_the_library_does_not_take_are_refused_before_any_call():
     assert not wide.fits(1)  # a row wider than its scratch
     short = kvnative.Rows(8, [rows.codes, rows.scales[:, :-1], rows.biases[:, :-1]])
     assert not short.fits(3)  # scales for fewer tokens than codes: never read past them
-    with pytest.raises(ValueError, match="do not fit"):
-        kvnative.scores(rows, 0, np.zeros((3, 32), np.float32), np.zeros((3, 40), np.float32))
-    with pytest.raises(ValueError, match="do not fit"):
-        kvnative.values(rows, 0, np.zeros((3, 39), np.float32), np.zeros((3, 64), np.float32))
+    q, out = np.zeros((2, 3, 64), np.float32), np.zeros((2, 3, 64), np.float32)
+    with pytest.raises(ValueError, match="do not fit"):  # a query of another width
+        kvnative.attend([rows] * 4, q[..., :32], q[..., :32], out)
+    with pytest.raises(ValueError, match="do not fit"):  # an output of another shape
+        kvnative.attend([rows] * 4, q, q, out[:, :2])
 
 
 @pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
@@ -165,14 +168,13 @@ def test_rows_of_a_width_the_library_does_not_read_are_refused(bits):
 
 @pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
 def test_the_products_hold_to_the_library_limits_whoever_calls_them():
-    """`scores` and `values` refuse what `fits` refuses, not only kvcpu's calls after it:
-    more queries than the C holds sums for (one group here, so that the C would still
-    stay inside its arrays if called)."""
+    """`attend` refuses what `fits` refuses, not only kvcpu's calls after it: more
+    queries than the C holds sums for (one group here, so that the C would still stay
+    inside its arrays if called)."""
     rows, _ = packed_rows(8, 1, 9, 64, 64)
+    q = np.zeros((1, 65, 64), np.float32)
     with pytest.raises(ValueError, match="do not fit"):
-        kvnative.scores(rows, 0, np.zeros((65, 64), np.float32), np.zeros((65, 9), np.float32))
-    with pytest.raises(ValueError, match="do not fit"):
-        kvnative.values(rows, 0, np.zeros((65, 9), np.float32), np.zeros((65, 64), np.float32))
+        kvnative.attend([rows] * 4, q, q, np.zeros((1, 65, 64), np.float32))
 
 
 # The library (kvdecode.c, short_turn.c, packed_rows.c) built as others may build
@@ -202,7 +204,7 @@ for bits, group in ((4, 32), (8, 32)):
     p.test_a_product_is_the_dequantized_weight_s(bits, group, 130, 2)
     p.test_a_few_rows_product_is_the_dequantized_weight_s(bits, group, 130, 17, 2)
 for case in t.CASES:
-    t.test_scores_and_values_equal_numpy_on_the_dequantized_rows(*case)
+    t.test_a_layer_s_attention_equals_numpy_on_the_dequantized_rows(*case)
 for case in t.TURN_CASES:
     t.test_a_short_turns_products_equal_numpy(*case)
 t.test_a_short_turns_softmax_equals_numpy(4099, 64)

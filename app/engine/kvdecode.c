@@ -1,8 +1,10 @@
-/* A decode step's attention products over one KV head of the app's packed cache,
- * read as stored: 4- or 8-bit codes with a float16 scale and bias per group of a
- * row, or float16 rows (bits 16, no scales). Called through ctypes from
- * app/engine/kvcpu.py, which checks every shape and stride it passes; the numpy
- * code there is the fallback where this library was not built, and the oracle.
+/* A decode step's attention over one layer of the app's packed cache, read as
+ * stored: 4- or 8-bit codes with a float16 scale and bias per group of a row, or
+ * float16 rows (bits 16, no scales). Called through ctypes from
+ * app/engine/kvcpu.py (by way of kvnative.py, which checks every shape and stride
+ * it passes); the numpy code there is the fallback where this library was not
+ * built, and the oracle. Its tokens are shared with packed_rows.c's helper threads
+ * (`reprise_kv_attend`).
  *
  * Why C: in numpy every product over the codes first widens them to float32 in a
  * scratch (a full write and read of four bytes a value), then hands the scratch
@@ -202,28 +204,8 @@ VECTOR_INLINE void head_values(const uint8_t *rows, ptrdiff_t row_stride, const 
                 out[j * dim + g * size + d] += bias_terms[j * groups + g];
 }
 
-VECTOR_CLONES
-void reprise_kv_scores(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
-                       const uint16_t *biases, ptrdiff_t scale_stride, int tokens, int dim,
-                       int bits, int groups, const float *q, int queries, float *out,
-                       ptrdiff_t out_stride)
-{
-    head_scores(rows, row_stride, scales, biases, scale_stride, tokens, dim, bits, groups, q,
-                queries, out, out_stride);
-}
-
-VECTOR_CLONES
-void reprise_kv_values(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
-                       const uint16_t *biases, ptrdiff_t scale_stride, int tokens, int dim,
-                       int bits, int groups, const float *w, ptrdiff_t w_stride, int queries,
-                       float *out)
-{
-    head_values(rows, row_stride, scales, biases, scale_stride, tokens, dim, bits, groups, w,
-                w_stride, queries, out);
-}
-
 /* A store of a layer's cache as `reprise_kv_attend` reads it, every KV head: the
- * arguments `reprise_kv_scores` takes for head 0, and how far apart heads are
+ * arguments `head_scores` takes for head 0, and how far apart heads are
  * (rows in bytes, scales in halves). */
 enum {
     ROWS, ROW_STRIDE, HEAD_STRIDE, SCALES, BIASES, SCALE_STRIDE, SCALE_HEAD_STRIDE,

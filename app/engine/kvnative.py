@@ -1,9 +1,9 @@
 """The compiled products of the CPU path's packed-cache attention (kvdecode.c).
 
-kvcpu calls `scores` and `values` for one KV head at a time on numpy views of
-the cache's own buffers. Every pointer and stride handed to C is taken from a
-numpy array here, after the checks in `fits` (which `scores` and `values` make
-on every call), so the library reads only what those arrays hold. Where the
+kvcpu calls `attend` for a decode step's layer, every KV head at once, on numpy
+views of the cache's own buffers. Every pointer and stride handed to C is taken
+from a numpy array here, after the checks in `fits` (which `attend` makes on
+every call), so the library reads only what those arrays hold. Where the
 library was not built (no C compiler at install) or `REPRISE_KV_NATIVE=off`,
 `available()` is False and kvcpu keeps its numpy code.
 """
@@ -16,10 +16,9 @@ import os
 import numpy as np
 
 _INT, _SIZE, _FLOAT_P, _P = ctypes.c_int, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_void_p
-_ROWS = [_P, _SIZE, _P, _P, _SIZE, _INT, _INT, _INT, _INT]  # a store's rows, as in the C
 
 enabled = os.environ.get("REPRISE_KV_NATIVE", "on") != "off"
-ABI = 4  # kvdecode.c's REPRISE_KV_ABI: the arguments `_ROWS` and the calls below pass
+ABI = 4  # kvdecode.c's REPRISE_KV_ABI: the arguments the calls below pass
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -44,9 +43,6 @@ def _open(path: str) -> ctypes.CDLL | None:
     library.reprise_kv_limit.argtypes, library.reprise_kv_limit.restype = [_INT], _INT
     if library.reprise_kv_limit(4) != ABI:
         return None
-    library.reprise_kv_scores.argtypes = [*_ROWS, _FLOAT_P, _INT, _FLOAT_P, _SIZE]
-    library.reprise_kv_values.argtypes = [*_ROWS, _FLOAT_P, _SIZE, _INT, _FLOAT_P]
-    library.reprise_kv_scores.restype = library.reprise_kv_values.restype = None
     library.reprise_kv_attend.argtypes = [_P, _INT, _FLOAT_P, _FLOAT_P, _INT, _INT, _FLOAT_P]
     library.reprise_kv_attend.restype = _INT
     library.reprise_kv_widen_halves.argtypes = [_P, _SIZE, _SIZE, _SIZE, _FLOAT_P]
@@ -86,7 +82,7 @@ class Rows:
         """Whether the C takes these rows for `queries` queries a KV head: its limits,
         whole lanes per group, a width it reads (4 or 8 bits with scales, float16 rows
         without), each token's codes (and scales) contiguous, biases laid out as the
-        scales. The rows are looked at once; `scores` and `values` ask on every call."""
+        scales. The rows are looked at once; `attend` asks on every call."""
         library = _load()
         if library is None:
             return False
@@ -116,17 +112,6 @@ class Rows:
             and scales.strides == biases.strides
             and scales.strides[-1] == 2
         )
-
-    def _arguments(self, head: int) -> list:
-        scales = (None, None, 0) if self.scales is None else (
-            self.scales[head].ctypes.data,
-            self.biases[head].ctypes.data,
-            self.scales.strides[1] // 2,
-        )  # fmt: skip
-        return [
-            self.codes[head].ctypes.data, self.codes.strides[1], *scales,
-            self.tokens, self.dim, self.bits, self.groups,
-        ]  # fmt: skip
 
     def fields(self) -> list[int]:
         """The store as `reprise_kv_attend` reads it, every head (its `STORE_FIELDS`)."""
@@ -164,27 +149,6 @@ def attend(
     )  # fmt: skip
     if not done:
         raise MemoryError("no memory for a layer's attention sums")
-
-
-def scores(rows: Rows, head: int, q: np.ndarray, out: np.ndarray) -> None:
-    """out = q @ rowsᵀ for KV head `head`: q (queries, dim) contiguous float32, out
-    (queries, tokens) float32 with contiguous rows."""
-    _require(rows.fits(len(q)) and q.dtype == out.dtype == np.float32 and q.flags.c_contiguous)
-    _require(out.strides[-1] == 4 and out.shape == (len(q), rows.tokens) and q.shape[1] == rows.dim)
-    _load().reprise_kv_scores(
-        *rows._arguments(head), q.ctypes.data, len(q), out.ctypes.data, out.strides[0] // 4
-    )
-
-
-def values(rows: Rows, head: int, w: np.ndarray, out: np.ndarray) -> None:
-    """out += w @ rows for KV head `head`: w (queries, tokens) float32 with contiguous
-    rows, out (queries, dim) contiguous float32."""
-    _require(rows.fits(len(w)) and w.dtype == out.dtype == np.float32 and w.strides[-1] == 4)
-    _require(w.shape[1] == rows.tokens and out.flags.c_contiguous)
-    _require(out.shape == (len(w), rows.dim))
-    _load().reprise_kv_values(
-        *rows._arguments(head), w.ctypes.data, w.strides[0] // 4, len(w), out.ctypes.data
-    )
 
 
 def widen_halves(rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

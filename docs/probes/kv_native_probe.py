@@ -10,6 +10,9 @@ Each figure is the fastest of 300 calls, in µs, for all three KV heads. One lay
 rows (3 MB of float32 at 4k tokens) stay in the CPU's cache between calls, which
 flatters the float32 path most: in a decode step each of the 30 layers' rows come
 from memory.
+
+Written for the per-head calls `kvnative.scores` and `kvnative.values`, which
+`kvnative.attend` (a whole layer in one call) replaced: run it at commit 003a5de.
 """
 
 import sys
