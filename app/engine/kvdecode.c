@@ -100,39 +100,45 @@ VECTOR_INLINE v8 lane_sums(const v8 *acc)
 #define BLOCK 8
 _Static_assert(BLOCK == LANES, "lane_sums reduces one vector a row of a block");
 
+/* A run of one KV head's tokens as the products read them: `tokens` rows
+ * `row_stride` bytes apart; scales and biases (NULL for float16 rows) hold `groups`
+ * values a token, `scale_stride` apart. */
+struct run {
+    const uint8_t *rows;
+    ptrdiff_t row_stride;
+    const uint16_t *scales, *biases;
+    ptrdiff_t scale_stride;
+    int tokens, dim, bits, groups;
+};
+
 /* The block of tokens from t, what both products read of it: the rows widened into
  * `wide` (BLOCK rows of `dim`, rows past the last token zeroed) and each group's
  * scales and biases into `s` and `b` (group g's at g * BLOCK; 1 and 0 for float16
  * rows). Returns how many tokens the block holds. */
-VECTOR_INLINE int load_block(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
-                             const uint16_t *biases, ptrdiff_t scale_stride, int t, int tokens,
-                             int dim, int bits, int groups, float *wide, float *s, float *b)
+VECTOR_INLINE int load_block(const struct run *run, int t, float *wide, float *s, float *b)
 {
-    int n = tokens - t < BLOCK ? tokens - t : BLOCK;
+    int n = run->tokens - t < BLOCK ? run->tokens - t : BLOCK, dim = run->dim;
     for (int r = 0; r < BLOCK; r++) {
         if (r < n)
-            widen_row(rows + (t + r) * row_stride, dim, bits, wide + r * dim);
+            widen_row(run->rows + (t + r) * run->row_stride, dim, run->bits, wide + r * dim);
         else
             memset(wide + r * dim, 0, dim * sizeof(float));
     }
-    for (int g = 0; g < groups; g++)
+    for (int g = 0; g < run->groups; g++)
         for (int r = 0; r < n; r++) {
-            const ptrdiff_t at = (t + r) * scale_stride + g;
-            s[g * BLOCK + r] = scales == NULL ? 1.0f : half_to_float(scales[at]);
-            b[g * BLOCK + r] = scales == NULL ? 0.0f : half_to_float(biases[at]);
+            const ptrdiff_t at = (t + r) * run->scale_stride + g;
+            s[g * BLOCK + r] = run->scales == NULL ? 1.0f : half_to_float(run->scales[at]);
+            b[g * BLOCK + r] = run->scales == NULL ? 0.0f : half_to_float(run->biases[at]);
         }
     return n;
 }
 
-/* out[j, t] = q_j . row_t for `tokens` rows `row_stride` bytes apart; scales and
- * biases (NULL for float16 rows) hold `groups` values a token, `scale_stride`
- * apart; q is (queries, dim), contiguous; out's rows are `out_stride` apart. */
-VECTOR_INLINE void head_scores(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
-                       const uint16_t *biases, ptrdiff_t scale_stride, int tokens, int dim,
-                       int bits, int groups, const float *q, int queries, float *out,
-                       ptrdiff_t out_stride)
+/* out[j, t] = q_j . row_t for the run's rows; q is (queries, dim), contiguous;
+ * out's rows are `out_stride` apart. */
+VECTOR_INLINE void head_scores(const struct run *run, const float *q, int queries, float *out,
+                               ptrdiff_t out_stride)
 {
-    int size = dim / groups;
+    int dim = run->dim, groups = run->groups, size = dim / groups;
     float sums[MAX_QUERIES * MAX_GROUPS];
     for (int j = 0; j < queries; j++)
         for (int g = 0; g < groups; g++) {
@@ -142,9 +148,8 @@ VECTOR_INLINE void head_scores(const uint8_t *rows, ptrdiff_t row_stride, const 
             sums[j * groups + g] = sum;
         }
     float wide[BLOCK * MAX_DIM], s[MAX_GROUPS * BLOCK], b[MAX_GROUPS * BLOCK];
-    for (int t = 0; t < tokens; t += BLOCK) {
-        int n = load_block(rows, row_stride, scales, biases, scale_stride, t, tokens, dim, bits,
-                           groups, wide, s, b);
+    for (int t = 0; t < run->tokens; t += BLOCK) {
+        int n = load_block(run, t, wide, s, b);
         for (int g = 0; g < groups; g++) {
             const float *gs = s + g * BLOCK, *gb = b + g * BLOCK;
             for (int j = 0; j < queries; j++) {
@@ -166,19 +171,16 @@ VECTOR_INLINE void head_scores(const uint8_t *rows, ptrdiff_t row_stride, const 
     }
 }
 
-/* out[j] += sum_t w[j, t] row_t, rows and scales as for the scores; w's rows are
- * `w_stride` apart; out is (queries, dim), contiguous. */
-VECTOR_INLINE void head_values(const uint8_t *rows, ptrdiff_t row_stride, const uint16_t *scales,
-                       const uint16_t *biases, ptrdiff_t scale_stride, int tokens, int dim,
-                       int bits, int groups, const float *w, ptrdiff_t w_stride, int queries,
-                       float *out)
+/* out[j] += sum_t w[j, t] row_t over the run's rows; w's rows are `w_stride` apart;
+ * out is (queries, dim), contiguous. */
+VECTOR_INLINE void head_values(const struct run *run, const float *w, ptrdiff_t w_stride,
+                               int queries, float *out)
 {
-    int size = dim / groups;
+    int dim = run->dim, groups = run->groups, size = dim / groups;
     float bias_terms[MAX_QUERIES * MAX_GROUPS] = {0};
     float wide[BLOCK * MAX_DIM], s[MAX_GROUPS * BLOCK], b[MAX_GROUPS * BLOCK];
-    for (int t = 0; t < tokens; t += BLOCK) {
-        int n = load_block(rows, row_stride, scales, biases, scale_stride, t, tokens, dim, bits,
-                           groups, wide, s, b);
+    for (int t = 0; t < run->tokens; t += BLOCK) {
+        int n = load_block(run, t, wide, s, b);
         for (int g = 0; g < groups; g++) {
             const float *gs = s + g * BLOCK, *gb = b + g * BLOCK;
             for (int j = 0; j < queries; j++) {
@@ -224,27 +226,15 @@ static inline const uint16_t *head_halves(const int64_t *store, int which, int h
     return (const uint16_t *)(intptr_t)store[which] + h * store[SCALE_HEAD_STRIDE];
 }
 
-/* Tokens [first, last) of store `s`, KV head h. */
-VECTOR_INLINE void store_scores(const int64_t *s, int h, int first, int last, const float *q,
-                                int queries, float *out, ptrdiff_t out_stride)
+/* Tokens [first, last) of KV head h of store `s`. */
+VECTOR_INLINE struct run store_run(const int64_t *s, int h, int first, int last)
 {
     const uint16_t *scales = head_halves(s, SCALES, h), *biases = head_halves(s, BIASES, h);
     ptrdiff_t skip = (ptrdiff_t)first * s[SCALE_STRIDE];
-    head_scores(head_rows(s, h) + first * s[ROW_STRIDE], s[ROW_STRIDE],
-                scales ? scales + skip : NULL, biases ? biases + skip : NULL, s[SCALE_STRIDE],
-                last - first, (int)s[DIM], (int)s[BITS], (int)s[GROUPS], q, queries, out,
-                out_stride);
-}
-
-VECTOR_INLINE void store_values(const int64_t *s, int h, int first, int last, const float *w,
-                                ptrdiff_t w_stride, int queries, float *out)
-{
-    const uint16_t *scales = head_halves(s, SCALES, h), *biases = head_halves(s, BIASES, h);
-    ptrdiff_t skip = (ptrdiff_t)first * s[SCALE_STRIDE];
-    head_values(head_rows(s, h) + first * s[ROW_STRIDE], s[ROW_STRIDE],
-                scales ? scales + skip : NULL, biases ? biases + skip : NULL, s[SCALE_STRIDE],
-                last - first, (int)s[DIM], (int)s[BITS], (int)s[GROUPS], w, w_stride, queries,
-                out);
+    return (struct run){
+        head_rows(s, h) + first * s[ROW_STRIDE], s[ROW_STRIDE],
+        scales ? scales + skip : NULL, biases ? biases + skip : NULL, s[SCALE_STRIDE],
+        last - first, (int)s[DIM], (int)s[BITS], (int)s[GROUPS]};
 }
 
 /* row[0 .. n) -> e^(row - its maximum), in place; their sum, and the maximum into
@@ -330,10 +320,10 @@ static void attend_share(const void *job, int share, int shares)
         float *into = partial + (ptrdiff_t)h * queries * value_dim;
         int at = 0;
         for (int part = 0; part < 2; part++) {
-            if (last[part] > first[part])
-                store_scores(a->keys[part], h, first[part], last[part],
-                             a->query[part] + (ptrdiff_t)h * queries * key_dim, queries,
-                             scores + at, rows);
+            struct run run = store_run(a->keys[part], h, first[part], last[part]);
+            if (run.tokens > 0)
+                head_scores(&run, a->query[part] + (ptrdiff_t)h * queries * key_dim, queries,
+                            scores + at, rows);
             at += last[part] - first[part];
         }
         for (int j = 0; j < queries; j++)
@@ -342,9 +332,9 @@ static void attend_share(const void *job, int share, int shares)
         memset(into, 0, (size_t)queries * value_dim * sizeof(float));
         at = 0;
         for (int part = 0; part < 2; part++) {
-            if (last[part] > first[part])
-                store_values(a->values[part], h, first[part], last[part], scores + at, rows,
-                             queries, into);
+            struct run run = store_run(a->values[part], h, first[part], last[part]);
+            if (run.tokens > 0)
+                head_values(&run, scores + at, rows, queries, into);
             at += last[part] - first[part];
         }
     }
