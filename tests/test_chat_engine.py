@@ -134,6 +134,50 @@ def test_the_cache_holds_every_token_handed_out_wherever_the_caller_stops(tiny_m
     assert cache[0].offset == len(prompt) + taken
 
 
+def test_the_penalty_sees_the_same_tokens_whichever_order_the_steps_run(tiny_model):
+    """The repetition penalty reads every token fed, the one just sampled included,
+    whether the device computes ahead (a GPU) or each token is handed out first (the
+    CPU path): the same settings give the same reply on both."""
+    prompt = [5, 6, 7, 8, 5, 6]
+
+    def reply(sampling: SamplingSettings, ahead: bool) -> list[int]:
+        cache, history = make_prompt_cache(tiny_model.model), list(prompt)
+        next_token = make_next_token(tiny_model.model, cache, sampling, lambda _: None, history)
+        tokens = steps_module.decode(next_token, prompt, ahead=ahead)
+        for _ in range(24):
+            history.append(next(tokens))
+        tokens.close()
+        return history[len(prompt) :]
+
+    penalized = replace(GREEDY, repetition_penalty=3.0)
+    assert reply(penalized, True) == reply(penalized, False)
+    assert reply(penalized, True) != reply(GREEDY, True)  # the penalty is at work here
+
+
+@pytest.mark.skipif(not cpu_blas.available(), reason="the CPU path's steps")
+def test_an_error_in_the_reply_loop_leaves_cache_and_tokens_in_step(tiny_model):
+    """The CPU path feeds a token when asked for the next one: a reply loop that fails
+    (a Stop check raising) still settles the cache on every token handed out."""
+    session = ChatSession(tiny_model)
+    asked = []
+
+    def failing_stop() -> bool:
+        asked.append(1)
+        if len(asked) == 3:
+            raise RuntimeError("the window went away")
+        return False
+
+    with pytest.raises(RuntimeError) as failed:
+        for _ in session.reply(
+            [{"role": "user", "content": "go on"}],
+            sampling=SamplingSettings.greedy(50),
+            should_stop=failing_stop,
+        ):
+            pass
+    # (while the error is kept, as a caller's handler keeps it, so are the loop's frames)
+    assert failed.traceback and len(session.tokens) == cache_offset(session)
+
+
 def test_stop_between_tokens_keeps_cache_and_tokens_in_step(tiny_model):
     session = ChatSession(tiny_model)
     seen = []

@@ -233,24 +233,29 @@ class ChatSession:
         reason = "length"
         # The CPU path computes a step in the call: hand each token out first.
         tokens = decode(next_token, prompt_tail, ahead=not cpu_blas.available())
-        for token in tokens:
-            self.tokens.append(token)
-            turn.generated += 1
-            if turn.first_token_at is None:
-                turn.first_token_at = time.perf_counter()
-                yield PromptProgress(len(turn.prompt) - turn.reused, len(turn.prompt) - turn.reused)
-            if token in eos:
-                reason = "stop"
-                break
-            detokenizer.add_token(token)
-            if segment := detokenizer.last_segment:
-                yield TextDelta(segment)
-            if turn.generated >= limit:
-                break
-            if should_stop():
-                reason = "cancelled"
-                break
-        tokens.close()  # settles the cache on the last token handed out
+        try:
+            for token in tokens:
+                self.tokens.append(token)
+                turn.generated += 1
+                if turn.first_token_at is None:
+                    turn.first_token_at = time.perf_counter()
+                    prefilled = len(turn.prompt) - turn.reused
+                    yield PromptProgress(prefilled, prefilled)
+                if token in eos:
+                    reason = "stop"
+                    break
+                detokenizer.add_token(token)
+                if segment := detokenizer.last_segment:
+                    yield TextDelta(segment)
+                if turn.generated >= limit:
+                    break
+                if should_stop():
+                    reason = "cancelled"
+                    break
+        finally:
+            # Settles the cache on the last token handed out, however the loop ends
+            # (the CPU path feeds a token only when asked for the next one).
+            tokens.close()
         detokenizer.finalize()
         if segment := detokenizer.last_segment:
             yield TextDelta(segment)

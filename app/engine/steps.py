@@ -69,8 +69,8 @@ def prefill(
 def make_next_token(
     model, cache: list, sampling: SamplingSettings, quantize: Quantize, history: list[int]
 ) -> Callable[[mx.array], mx.array]:
-    """One decode step: feed a token (or the last prompt token) and sample the next.
-    `history` is read for the repetition penalty (the caller keeps it current)."""
+    """One decode step: feed a token (or the last prompt tokens) and sample the next.
+    The repetition penalty reads `history` (the prompt), then each token fed since."""
     sampler = make_sampler(sampling.temperature, sampling.top_p, sampling.min_p)
     last_row.install(model)  # once per model; the rows before the last get no logits
     penalty = sampling.repetition_penalty if sampling.repetition_penalty != 1.0 else None
@@ -78,14 +78,23 @@ def make_next_token(
         repetition_penalty=penalty, repetition_context_size=PENALTY_WINDOW
     )
 
+    # What the penalty reads: the history, then each token as it is fed (lazily, so a
+    # device computing ahead is not waited for, and before the caller has seen it).
+    window = mx.array(history[-PENALTY_WINDOW:], mx.int32)
+    calls = 0
+
     def next_token(inputs: mx.array) -> mx.array:
+        nonlocal window, calls
         with last_row.only_last_row(model):
             logits = model(inputs[None], cache=cache)[:, -1, :]
         quantize(cache)
         if processors:
-            recent = mx.array(history[-PENALTY_WINDOW:])
+            if calls:  # the first call feeds the prompt's last tokens: `history` has them
+                fed = inputs.reshape(-1).astype(mx.int32)
+                window = mx.concatenate([window, fed])[-PENALTY_WINDOW:]
             for process in processors:
-                logits = process(recent, logits)
+                logits = process(window, logits)
+        calls += 1
         return sampler(logits - mx.logsumexp(logits, keepdims=True))
 
     return next_token
