@@ -315,6 +315,24 @@ def test_a_decode_step_shared_among_threads_matches_the_oracle(monkeypatch, sche
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
 
 
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["NaN", "inf"])
+def test_a_diverged_query_gives_nan_as_the_numpy_path_does(monkeypatch, threads, bad):
+    """A model that has diverged (a NaN or infinite query) shows it in its output on
+    either path: the compiled one does not hide it as zeros or finite values."""
+    monkeypatch.setattr(cpu_blas, "threads", lambda: threads)
+    layer = _filled(APP_SCHEMES["8-bit"])
+    queries = mx.random.normal((1, 4, 1, 64), key=mx.random.key(7))
+    queries = mx.where(mx.arange(4)[None, :, None, None] == 1, bad, queries)  # one head
+    got = np.array(layer.attend(queries, 0.125, None))
+    monkeypatch.setattr(kvnative, "enabled", False)
+    want = np.array(layer.attend(queries, 0.125, None))
+    assert np.isnan(got[0, 1]).all() and np.isnan(want[0, 1]).all()
+    assert np.isfinite(got[0, [0, 2, 3]]).all()
+    np.testing.assert_allclose(got[0, [0, 2, 3]], want[0, [0, 2, 3]], rtol=1e-4, atol=1e-4)
+
+
 def _filled(scheme: KVScheme) -> MixedKVCache:
     """A layer of 2 KV heads after a prefill of 320 tokens and 13 decode steps."""
     layer = MixedKVCache(scheme)

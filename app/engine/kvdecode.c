@@ -238,20 +238,34 @@ VECTOR_INLINE struct run store_run(const int64_t *s, int h, int first, int last)
 }
 
 /* row[0 .. n) -> e^(row - its maximum), in place; their sum, and the maximum into
- * `top` (-inf, and a sum of 0, for a row that sees nothing). */
+ * `top` (-inf, and a sum of 0, for a row that sees nothing; NaN for a row holding a
+ * NaN or +inf, which the join passes on, as numpy's softmax does). */
 VECTOR_INLINE float exp_row(float *row, int n, float *top)
 {
     v16 tops = splat(-INFINITY);
+    v16i broken = {0};
     int full = n - n % 16;
-    for (int i = 0; i < full; i += 16)
-        tops = larger(tops, load16(row + i));
+    for (int i = 0; i < full; i += 16) {
+        v16 x = load16(row + i);
+        broken |= x != x;
+        tops = larger(tops, x);
+    }
     float most = -INFINITY;
-    for (int l = 0; l < 16; l++)
+    int nan = 0;
+    for (int l = 0; l < 16; l++) {
         most = tops[l] > most ? tops[l] : most;
-    for (int i = full; i < n; i++)
+        nan |= broken[l];
+    }
+    for (int i = full; i < n; i++) {
         most = row[i] > most ? row[i] : most;
+        nan |= row[i] != row[i];
+    }
+    if (nan || most == INFINITY) {
+        *top = NAN;
+        return NAN;
+    }
     *top = most;
-    if (!isfinite(most)) {
+    if (most == -INFINITY) {
         memset(row, 0, (size_t)n * sizeof(float));
         return 0;
     }
@@ -374,10 +388,15 @@ int reprise_kv_attend(const int64_t *stores, int kv_heads, const float *q, const
         float most = -INFINITY, total = 0;
         for (int s = 0; s < shares; s++) {
             const float *tops = a.work + (s + 1) * per - 2 * count;
-            most = tops[hj] > most ? tops[hj] : most;
+            most = tops[hj] > most || isnan(tops[hj]) ? tops[hj] : most;
+            if (isnan(most))
+                break;
         }
         float *into = out + hj * value_dim;
-        memset(into, 0, (size_t)value_dim * sizeof(float));
+        for (int d = 0; d < value_dim; d++)
+            into[d] = isnan(most) ? NAN : 0.0f;
+        if (isnan(most))
+            continue; /* a NaN or +inf score: no weights to give */
         for (int s = 0; s < shares; s++) {
             const float *tops = a.work + (s + 1) * per - 2 * count;
             if (!(tops[hj] > -INFINITY))
