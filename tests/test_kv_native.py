@@ -327,7 +327,8 @@ def test_a_diverged_query_gives_nan_as_the_numpy_path_does(monkeypatch, threads,
     queries = mx.where(mx.arange(4)[None, :, None, None] == 1, bad, queries)  # one head
     got = np.array(layer.attend(queries, 0.125, None))
     monkeypatch.setattr(kvnative, "enabled", False)
-    want = np.array(layer.attend(queries, 0.125, None))
+    with np.errstate(invalid="ignore"):  # numpy's own warning of the NaN it computes
+        want = np.array(layer.attend(queries, 0.125, None))
     assert np.isnan(got[0, 1]).all() and np.isnan(want[0, 1]).all()
     assert np.isfinite(got[0, [0, 2, 3]]).all()
     np.testing.assert_allclose(got[0, [0, 2, 3]], want[0, [0, 2, 3]], rtol=1e-4, atol=1e-4)
