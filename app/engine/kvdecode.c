@@ -313,6 +313,21 @@ static inline ptrdiff_t share_floats(const struct attend_job *a, int shares)
     return a->queries * rows + sums * (a->values[1][DIM] + 2);
 }
 
+/* Share `share`'s part of `work`: its scores first, then at the part's end each
+ * (head, query)'s value sums, maximum and weights' sum. */
+struct share_part {
+    float *scores, *partial, *tops, *sums;
+};
+
+static inline struct share_part share_part(const struct attend_job *a, int share, int shares)
+{
+    ptrdiff_t per = share_floats(a, shares), count = (ptrdiff_t)a->kv_heads * a->queries;
+    float *scores = a->work + share * per;
+    float *partial = scores + per - count * (a->values[1][DIM] + 2);
+    return (struct share_part){scores, partial, partial + count * a->values[1][DIM],
+                               scores + per - count};
+}
+
 VECTOR_CLONES
 static void attend_share(const void *job, int share, int shares)
 {
@@ -324,14 +339,10 @@ static void attend_share(const void *job, int share, int shares)
         rows += last[part] - first[part];
     }
     int key_dim = (int)a->keys[1][DIM], value_dim = (int)a->values[1][DIM];
-    ptrdiff_t per = share_floats(a, shares), count = (ptrdiff_t)a->kv_heads * queries;
-    /* scores first, then (at the part's end) value sums, maxima and weights' sums */
-    float *scores = a->work + share * per;
-    float *partial = scores + per - count * (value_dim + 2);
-    float *tops = partial + count * value_dim;
-    float *sums = tops + count;
+    struct share_part mine = share_part(a, share, shares);
+    float *scores = mine.scores;
     for (int h = 0; h < a->kv_heads; h++) {
-        float *into = partial + (ptrdiff_t)h * queries * value_dim;
+        float *into = mine.partial + (ptrdiff_t)h * queries * value_dim;
         int at = 0;
         for (int part = 0; part < 2; part++) {
             struct run run = store_run(a->keys[part], h, first[part], last[part]);
@@ -341,8 +352,8 @@ static void attend_share(const void *job, int share, int shares)
             at += last[part] - first[part];
         }
         for (int j = 0; j < queries; j++)
-            sums[h * queries + j] = exp_row(scores + (ptrdiff_t)j * rows, rows,
-                                            &tops[h * queries + j]);
+            mine.sums[h * queries + j] = exp_row(scores + (ptrdiff_t)j * rows, rows,
+                                                 &mine.tops[h * queries + j]);
         memset(into, 0, (size_t)queries * value_dim * sizeof(float));
         at = 0;
         for (int part = 0; part < 2; part++) {
@@ -351,6 +362,37 @@ static void attend_share(const void *job, int share, int shares)
                 head_values(&run, scores + at, rows, queries, into);
             at += last[part] - first[part];
         }
+    }
+}
+
+/* The shares' sums joined into `out` (kv_heads, queries, value dim): each share's
+ * weighted by e^(its maximum - the largest), over the weights' sums so weighted. */
+static void join_shares(const struct attend_job *a, int shares, float *out)
+{
+    ptrdiff_t count = (ptrdiff_t)a->kv_heads * a->queries;
+    int value_dim = (int)a->values[1][DIM];
+    for (ptrdiff_t hj = 0; hj < count; hj++) {
+        float most = -INFINITY, total = 0;
+        for (int s = 0; s < shares && !isnan(most); s++) {
+            float top = share_part(a, s, shares).tops[hj];
+            most = top > most || isnan(top) ? top : most;
+        }
+        float *into = out + hj * value_dim;
+        for (int d = 0; d < value_dim; d++)
+            into[d] = isnan(most) ? NAN : 0.0f;
+        if (isnan(most))
+            continue; /* a NaN or +inf score: no weights to give */
+        for (int s = 0; s < shares; s++) {
+            struct share_part part = share_part(a, s, shares);
+            if (!(part.tops[hj] > -INFINITY))
+                continue; /* a share that saw nothing */
+            float weight = exp16(splat(part.tops[hj] - most))[0];
+            total += part.sums[hj] * weight;
+            for (int d = 0; d < value_dim; d++)
+                into[d] += weight * part.partial[hj * value_dim + d];
+        }
+        for (int d = 0; total > 0 && d < value_dim; d++)
+            into[d] /= total;
     }
 }
 
@@ -372,7 +414,7 @@ int reprise_kv_attend(const int64_t *stores, int kv_heads, const float *q, const
         {stores, stores + 2 * STORE_FIELDS}, {stores + STORE_FIELDS, stores + 3 * STORE_FIELDS},
         {q, bulk_q}, kv_heads, queries, NULL};
     threads = threads < 1 ? 1 : threads;
-    int tokens = part_tokens(&a, 0) + part_tokens(&a, 1), value_dim = (int)a.values[1][DIM];
+    int tokens = part_tokens(&a, 0) + part_tokens(&a, 1);
     /* room for any number of shares up to `threads` (`share_floats` rounds up) */
     ptrdiff_t room = threads * share_floats(&a, threads) + 2 * threads * queries;
     a.work = malloc((size_t)room * sizeof(float));
@@ -383,33 +425,7 @@ int reprise_kv_attend(const int64_t *stores, int kv_heads, const float *q, const
         shares = 1;
         attend_share(&a, 0, 1);
     }
-    ptrdiff_t per = share_floats(&a, shares), count = (ptrdiff_t)kv_heads * queries;
-    for (ptrdiff_t hj = 0; hj < count; hj++) {
-        float most = -INFINITY, total = 0;
-        for (int s = 0; s < shares; s++) {
-            const float *tops = a.work + (s + 1) * per - 2 * count;
-            most = tops[hj] > most || isnan(tops[hj]) ? tops[hj] : most;
-            if (isnan(most))
-                break;
-        }
-        float *into = out + hj * value_dim;
-        for (int d = 0; d < value_dim; d++)
-            into[d] = isnan(most) ? NAN : 0.0f;
-        if (isnan(most))
-            continue; /* a NaN or +inf score: no weights to give */
-        for (int s = 0; s < shares; s++) {
-            const float *tops = a.work + (s + 1) * per - 2 * count;
-            if (!(tops[hj] > -INFINITY))
-                continue; /* a share that saw nothing */
-            float weight = exp16(splat(tops[hj] - most))[0];
-            total += tops[count + hj] * weight;
-            const float *partial = tops - count * value_dim + hj * value_dim;
-            for (int d = 0; d < value_dim; d++)
-                into[d] += weight * partial[d];
-        }
-        for (int d = 0; total > 0 && d < value_dim; d++)
-            into[d] /= total;
-    }
+    join_shares(&a, shares, out);
     free(a.work);
     return 1;
 }

@@ -115,14 +115,13 @@ class Rows:
 
     def fields(self) -> list[int]:
         """The store as `reprise_kv_attend` reads it, every head (its `STORE_FIELDS`)."""
-        if self.scales is None:
-            scales = [0, 0, 0, 0]
-        else:
-            scales = [self.scales.ctypes.data, self.biases.ctypes.data]
-            scales += [self.scales.strides[1] // 2, self.scales.strides[0] // 2]
+        scales = [0, 0, 0, 0] if self.scales is None else [
+            self.scales.ctypes.data, self.biases.ctypes.data,
+            self.scales.strides[1] // 2, self.scales.strides[0] // 2,
+        ]  # fmt: skip
         return [
-            self.codes.ctypes.data, self.codes.strides[1], self.codes.strides[0], *scales[:2],
-            *scales[2:], self.tokens, self.dim, self.bits, self.groups,
+            self.codes.ctypes.data, self.codes.strides[1], self.codes.strides[0], *scales,
+            self.tokens, self.dim, self.bits, self.groups,
         ]  # fmt: skip
 
 

@@ -419,9 +419,7 @@ int reprise_packed_gemv(const uint32_t *codes, const float *scales, const float 
                     scratch[at + 8 * j + l] = x[at + 4 * l + j];
     struct product p = {codes, scales, biases, bits == 8 ? scratch : x, sums, rows,
                         columns * bits / 32, groups, group, bits, y, 1, NULL};
-    if (threads > MAX_THREADS - 1)
-        threads = MAX_THREADS - 1;
-    if (threads < 2 || rows < 2 * ROW_BLOCK || !reprise_share(product_job, &p, threads))
+    if (rows < 2 * ROW_BLOCK || !reprise_share(product_job, &p, threads))
         product_rows(&p, 0, rows);
     free(scratch);
     return 1;
