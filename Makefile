@@ -24,7 +24,7 @@ QT_DEBS := libegl1 libgl1 libfontconfig1 libdbus-1-3 libxkbcommon0 libxkbcommon-
 
 setup: $(INSTALLED) $(STARTER_GGUF) openblas qt-libs
 
-$(INSTALLED): pyproject.toml setup.py app/engine/kvdecode.c
+$(INSTALLED): pyproject.toml setup.py $(wildcard app/engine/*.c app/engine/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
