@@ -33,6 +33,7 @@ the first `keep`. Tokens are always held in temporal order.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -63,9 +64,11 @@ def flush_block(scheme: KVScheme) -> int:
     return 1 if scheme.key_bits is None and scheme.value_bits is None else FLUSH
 
 
+@cache
 def app_window(scheme: KVScheme) -> int:
     """The 16-bit window the app runs `scheme` with: a saved format does not name it
-    (it is a setting of the app's 8-bit and 4-bit, the same for every group size)."""
+    (it is a setting of the app's 8-bit and 4-bit, the same for every group size).
+    Asked for each run of layers of each chunk a restore reads: found once a scheme."""
     for app_scheme in APP_SCHEMES.values():
         if replace(app_scheme, group_size=scheme.group_size, window=0) == replace(scheme, window=0):
             return app_scheme.window
