@@ -95,6 +95,37 @@ def test_select_branch_follows_to_the_newest_leaf(store):
     assert store.get(c.id).current_message_id == q2.id
 
 
+def test_a_long_branch_comes_back_root_first_without_its_siblings(store):
+    c = store.create("m")
+    parent = None
+    kept = []
+    for i in range(300):
+        parent = store.add_message(c.id, "user", f"turn {i}", parent_id=parent).id
+        kept.append(parent)
+        if i % 50 == 0:  # a regenerated reply beside it, on another branch
+            store.add_message(c.id, "assistant", f"other {i}", parent_id=parent)
+    store.select_branch(c.id, kept[-1])
+    assert [m.id for m in store.branch(kept[-1])] == kept
+    assert [m.id for m in store.branch(kept[149])] == kept[:150]
+
+
+def test_a_damaged_tree_still_gives_a_branch(store):
+    """A parent pointer that loops back, or names a message that is gone, ends the
+    walk there instead of failing or looping; only a missing leaf is NotFound."""
+    c = store.create("m")
+    first = store.add_message(c.id, "user", "one")
+    second = store.add_message(c.id, "assistant", "two", parent_id=first.id)
+    third = store.add_message(c.id, "user", "three", parent_id=second.id)
+    store.db.execute("update messages set parent_id = ? where id = ?", [third.id, first.id])
+    assert [m.content for m in store.branch(third.id)] == ["one", "two", "three"]
+    store.db.execute("update messages set parent_id = ? where id = ?", [first.id, first.id])
+    assert [m.content for m in store.branch(second.id)] == ["one", "two"]
+    store.db.execute("update messages set parent_id = 999999 where id = ?", [first.id])
+    assert [m.content for m in store.branch(third.id)] == ["one", "two", "three"]
+    with pytest.raises(NotFound):
+        store.branch(999999)
+
+
 def test_full_text_search_finds_words_in_any_order(store):
     c = store.create("m")
     store.add_message(c.id, "user", "The quick brown fox")
