@@ -5,6 +5,7 @@ against the dense oracle, on one thread and two, with and without the library.""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -14,7 +15,7 @@ from test_kv_native import packed_rows
 
 from app.engine import cpu_blas, kvattention, kvcpu, kvnative, turn_attention
 from app.engine.kvquant import MixedKVCache
-from app.engine.kvscheme import SIXTEEN_BIT, KVScheme
+from app.engine.kvscheme import APP_SCHEMES, SIXTEEN_BIT, KVScheme
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU path's products")
 
@@ -47,6 +48,54 @@ def test_a_short_turns_products_equal_numpy(dim, queries, tokens):
     out = np.ones((used, dim), np.float32)
     kvnative.turn_values(rows, pt, out)
     np.testing.assert_allclose(out, 1 + pt[:, :used].T @ wide, rtol=1e-4, atol=1e-2)
+
+
+PACKED_TURN_CASES = [  # (bits, dim, group, queries, tokens)
+    (8, 64, 64, 51, 4099),  # the app's 8-bit on the starter
+    (4, 64, 64, 51, 301),
+    (8, 128, 32, 34, 300),
+    (4, 128, 32, 2, 9),
+    (4, 256, 128, 64, 33),
+]
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+@pytest.mark.parametrize(("bits", "dim", "group", "queries", "tokens"), PACKED_TURN_CASES, ids=str)
+def test_a_short_turns_products_over_packed_rows_equal_numpy(bits, dim, group, queries, tokens):
+    """The same products over rows packed 4 or 8 bits (a strided span of a store's
+    codes, scales and biases), against numpy's products of the rows dequantized."""
+    rows, wide = packed_rows(bits, 1, tokens, dim, group)
+    packed = kvnative.PackedTurnRows(bits, rows.codes[0], rows.scales[0], rows.biases[0])
+    wide = wide[0]
+    width = -(-queries // kvnative.TURN_QUERIES) * kvnative.TURN_QUERIES
+    used = -(-queries // kvnative.TURN_VALUE_QUERIES) * kvnative.TURN_VALUE_QUERIES
+    rng = np.random.default_rng(tokens)
+    qt = np.zeros((dim, width), np.float32)
+    qt[:, :queries] = rng.standard_normal((dim, queries), np.float32)
+    st = np.full((tokens, width), np.nan, np.float32)
+    kvnative.turn_scores_packed(packed, qt, st)
+    np.testing.assert_allclose(st, wide @ qt, rtol=1e-4, atol=1e-3)
+    pt = rng.random((tokens, width), np.float32)
+    out = np.ones((used, dim), np.float32)
+    kvnative.turn_values_packed(packed, pt, out)
+    np.testing.assert_allclose(out, 1 + pt[:, :used].T @ wide, rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
+def test_packed_rows_the_products_do_not_read_are_refused():
+    """Codes, scales and biases that do not describe rows the C unpacks (a width it
+    does not take, scales of another type, groups that do not divide the row) are
+    refused before any call."""
+    rows, _ = packed_rows(8, 1, 40, 64, 32)
+    codes, scales, biases = rows.codes[0], rows.scales[0], rows.biases[0]
+    assert kvnative.PackedTurnRows.takes(8, codes, scales, biases)
+    assert not kvnative.PackedTurnRows.takes(3, codes, scales, biases)
+    assert not kvnative.PackedTurnRows.takes(8, codes, scales.astype(np.float32), biases)
+    thirds = np.zeros((len(scales), 3), np.float16)
+    assert not kvnative.PackedTurnRows.takes(8, codes, thirds, thirds)
+    assert not kvnative.PackedTurnRows.takes(8, codes[:, :5], scales, biases)
+    with pytest.raises(ValueError):
+        kvnative.PackedTurnRows(8, codes, scales[:, :0], biases[:, :0])
 
 
 @pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")
@@ -108,13 +157,18 @@ def _short_turns_compiled(monkeypatch):
         (5, 4, 2, 80, SIXTEEN_BIT, "causal"),  # a width the products do not take
         (17, 9, 3, 64, WITH_EXACT_ROWS, "causal"),
         (7, 6, 2, 64, SIXTEEN_BIT, None),
+        (17, 9, 3, 64, APP_SCHEMES["8-bit"], "causal"),  # the bulk packed, sink and tail exact
+        (17, 9, 3, 64, APP_SCHEMES["4-bit"], "causal"),  # keys rotated too
+        (5, 4, 2, 128, replace(APP_SCHEMES["8-bit"], group_size=32), None),
+        (9, 8, 8, 128, replace(APP_SCHEMES["4-bit"], group_size=128), "causal"),
     ],
 )
 def test_a_short_turn_over_float16_rows_matches_the_oracle(
     rows, heads, kv_heads, dim, scheme, mask
 ):
-    """The CPU path's 16 bits (both halves float16): a short turn's rows attend under
-    the causal mask (or none) to what the oracle attends to, the float16 rows widened."""
+    """The CPU path's 16 bits (both halves float16), and the app's 8-bit and 4-bit (the
+    bulk packed): a short turn's rows attend under the causal mask (or none) to what
+    the oracle attends to, every row widened (dequantized, un-rotated)."""
     layer = MixedKVCache(scheme)
     shape = (1, kv_heads, 300, dim)
     keys, values = (mx.random.normal(shape, key=mx.random.key(k)) for k in (1, 2))

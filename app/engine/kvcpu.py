@@ -54,7 +54,7 @@ def decode(layout, queries: mx.array, scale: float) -> mx.array:
     kv_heads = exact_k[0].shape[0] // batch
     q = np.asarray(queries).reshape(batch * kv_heads, heads // kv_heads, dim) * np.float32(scale)
 
-    bulk_q = cpu_blas.stacked_matmul(q, _hadamard(dim)) if layout.rotated else q
+    bulk_q = cpu_blas.stacked_matmul(q, hadamard(dim)) if layout.rotated else q
     if kvnative.available():
         held = (*layout.exact, *layout.bulk)
         parts = (exact_k, exact_v, bulk_k, bulk_v)
@@ -122,7 +122,7 @@ def _widen_half(h: np.ndarray) -> np.ndarray:
 
 
 @cache
-def _hadamard(dim: int) -> np.ndarray:
+def hadamard(dim: int) -> np.ndarray:
     """The keys' rotation as a matrix on row vectors: q @ it is `tokenstore.rotate(q)`."""
     return np.array(rotation_matrix(dim))
 

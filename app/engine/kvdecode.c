@@ -449,7 +449,7 @@ void reprise_kv_widen_halves(const uint16_t *src, ptrdiff_t src_stride, ptrdiff_
 /* The version of the functions' arguments: kvnative.py refuses a library of another
  * (a stale build beside newer Python) rather than call it wrongly. */
 #ifndef REPRISE_KV_ABI
-#define REPRISE_KV_ABI 4
+#define REPRISE_KV_ABI 5
 #endif
 
 /* The limits above and the version, for kvnative.py to check against. */

@@ -18,7 +18,7 @@ import numpy as np
 _INT, _SIZE, _FLOAT_P, _P = ctypes.c_int, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_void_p
 
 enabled = os.environ.get("REPRISE_KV_NATIVE", "on") != "off"
-ABI = 4  # kvdecode.c's REPRISE_KV_ABI: the arguments the calls below pass
+ABI = 5  # kvdecode.c's REPRISE_KV_ABI: the arguments the calls below pass
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -51,6 +51,11 @@ def _open(path: str) -> ctypes.CDLL | None:
     library.reprise_turn_values.argtypes = [_P, _SIZE, _INT, _INT, _FLOAT_P, _INT, _INT, _FLOAT_P]
     library.reprise_turn_softmax.argtypes = [_FLOAT_P, _INT, _INT, _FLOAT_P]
     library.reprise_turn_scores.restype = library.reprise_turn_values.restype = None
+    packed = [_P, _SIZE, _P, _P, _SIZE, _INT, _INT, _INT, _INT, _FLOAT_P, _INT]
+    library.reprise_turn_scores_packed.argtypes = [*packed, _FLOAT_P]
+    library.reprise_turn_values_packed.argtypes = [*packed, _INT, _FLOAT_P]
+    library.reprise_turn_scores_packed.restype = None
+    library.reprise_turn_values_packed.restype = None
     library.reprise_turn_softmax.restype = None
     library.reprise_turn_limit.argtypes, library.reprise_turn_limit.restype = [_INT], _INT
     library.turn_limits = tuple(library.reprise_turn_limit(which) for which in range(2))
@@ -227,6 +232,67 @@ def turn_values(rows: np.ndarray, pt: np.ndarray, out: np.ndarray) -> None:
         rows.ctypes.data, rows.strides[0] // 2, tokens, dim, pt.ctypes.data, queries, used,
         out.ctypes.data,
     )  # fmt: skip
+
+
+def turn_scores_packed(rows: PackedTurnRows, qt: np.ndarray, st: np.ndarray) -> None:
+    """`turn_scores` over packed rows (`PackedTurnRows`), each widened as it is read."""
+    _require(qt.dtype == st.dtype == np.float32 and qt.flags.c_contiguous and st.flags.c_contiguous)
+    _require(qt.shape[0] == rows.dim and qt.shape[1] % TURN_QUERIES == 0)
+    _require(st.shape == (rows.tokens, qt.shape[1]))
+    _load().reprise_turn_scores_packed(*rows.fields(), qt.ctypes.data, qt.shape[1], st.ctypes.data)
+
+
+def turn_values_packed(rows: PackedTurnRows, pt: np.ndarray, out: np.ndarray) -> None:
+    """`turn_values` over packed rows (`PackedTurnRows`), each widened as it is read."""
+    used, queries = len(out), pt.shape[1]
+    _require(
+        pt.dtype == out.dtype == np.float32 and pt.flags.c_contiguous and out.flags.c_contiguous
+    )
+    _require(pt.shape[0] == rows.tokens and out.shape[1] == rows.dim)
+    _require(used % TURN_VALUE_QUERIES == 0 and used <= queries)
+    _load().reprise_turn_values_packed(
+        *rows.fields(), pt.ctypes.data, queries, used, out.ctypes.data
+    )
+
+
+class PackedTurnRows:
+    """One KV head's tokens packed 4 or 8 bits a value, as short_turn.c reads them:
+    `codes` (tokens, words) uint32, `scales` and `biases` (tokens, groups) float16,
+    each token's contiguous (views of a store's buffers, sliced on the tokens)."""
+
+    def __init__(self, bits: int, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray):
+        self.bits, self.codes, self.scales, self.biases = bits, codes, scales, biases
+        self.tokens, self.groups = scales.shape
+        self.dim = codes.shape[1] * 32 // bits
+        _require(self.takes(bits, codes, scales, biases))
+
+    @staticmethod
+    def takes(bits: int, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> bool:
+        """Whether the C reads these as packed rows: a width it unpacks, whole groups
+        of a width the products take, every token's codes and scales contiguous."""
+        if codes.ndim != 2 or scales.ndim != 2 or bits not in (4, 8):
+            return False
+        dim, groups = codes.shape[1] * 32 // bits, scales.shape[1]
+        return (
+            groups > 0
+            and turn_fits(dim)
+            and codes.dtype == np.uint32
+            and scales.dtype == biases.dtype == np.float16
+            and scales.shape == biases.shape == (codes.shape[0], groups)
+            and scales.strides == biases.strides
+            and codes.strides[1] == 4
+            and scales.strides[1] == 2
+            and dim % groups == 0
+            and dim // groups % 2 == 0
+        )
+
+    def fields(self) -> list[int]:
+        """The first nine arguments of the packed turn products."""
+        return [
+            self.codes.ctypes.data, self.codes.strides[0] // 4, self.scales.ctypes.data,
+            self.biases.ctypes.data, self.scales.strides[0] // 2, self.bits, self.groups,
+            self.tokens, self.dim,
+        ]  # fmt: skip
 
 
 def _require(condition: bool) -> None:

@@ -1,4 +1,5 @@
-/* A short turn's attention products over one KV head of float16 rows: the few
+/* A short turn's attention products over one KV head of float16 rows, or of rows
+ * packed 4 or 8 bits a value (the app's quantized bulk): the few
  * query rows of a follow-up message (times the query heads that share the KV
  * head) against every cached token. Called through ctypes from
  * app/engine/kvcpu.py, which checks every shape and stride it passes; mlx's
@@ -35,19 +36,56 @@
 #define DIM_VECTORS 4 /* dimensions of a values tile: 64 */
 #define VALUE_BLOCK 32 /* value rows widened at a time: 8 KB of float32 at 64 wide */
 
-/* Rows t .. t + count - 1 (`stride` halves apart) as float32 into `out`, `dim` apart;
- * rows count .. block - 1 zeroed. */
-static inline void widen_rows(const uint16_t *rows, ptrdiff_t stride, int t, int count,
-                              int block, int dim, float *out)
+/* Where a span's rows come from: float16 rows (bits 16), or codes packed 4 or 8 bits
+ * a value (mlx's little-endian packing: value d is byte d, or nibble d % 2 of byte
+ * d / 2, low first) with a float16 scale and bias for each of a row's `groups`. */
+struct turn_rows {
+    const void *rows;        /* uint16 halves, or uint32 words of codes */
+    ptrdiff_t stride;        /* from a token's row to the next's: halves, or words */
+    const uint16_t *scales, *biases;
+    ptrdiff_t scale_stride;  /* halves from a token's scales to the next's */
+    int bits, groups;
+};
+
+/* Row t of packed codes as float32: each code times its group's scale plus its bias. */
+static inline void widen_packed(const struct turn_rows *s, ptrdiff_t t, int dim, float *into)
+{
+    const uint8_t *bytes = (const uint8_t *)((const uint32_t *)s->rows + t * s->stride);
+    const uint16_t *scales = s->scales + t * s->scale_stride;
+    const uint16_t *biases = s->biases + t * s->scale_stride;
+    const int group = dim / s->groups;
+    for (int g = 0; g < s->groups; g++) {
+        const float scale = half_to_float(scales[g]), bias = half_to_float(biases[g]);
+        float *out = into + g * group;
+        if (s->bits == 8) {
+            const uint8_t *codes = bytes + g * group;
+            for (int d = 0; d < group; d++)
+                out[d] = (float)codes[d] * scale + bias;
+        } else {
+            const uint8_t *codes = bytes + g * group / 2;
+            for (int d = 0; d < group / 2; d++) {
+                out[2 * d] = (float)(codes[d] & 15) * scale + bias;
+                out[2 * d + 1] = (float)(codes[d] >> 4) * scale + bias;
+            }
+        }
+    }
+}
+
+/* Rows t .. t + count - 1 as float32 into `out`, `dim` apart; rows count .. block - 1
+ * zeroed. */
+static inline void widen_rows(const struct turn_rows *s, int t, int count, int block, int dim,
+                              float *out)
 {
     for (int r = 0; r < block; r++) {
         float *into = out + (ptrdiff_t)r * dim;
-        if (r < count) {
-            const uint16_t *row = rows + (t + r) * stride;
+        if (r >= count) {
+            memset(into, 0, dim * sizeof(float));
+        } else if (s->bits == 16) {
+            const uint16_t *row = (const uint16_t *)s->rows + (t + r) * s->stride;
             for (int d = 0; d < dim; d++)
                 into[d] = half_to_float(row[d]);
         } else {
-            memset(into, 0, dim * sizeof(float));
+            widen_packed(s, t + r, dim, into);
         }
     }
 }
@@ -78,16 +116,17 @@ void reprise_turn_softmax(float *st, int tokens, int queries, float *totals)
         store16(totals + v * WIDE, sum[v]);
 }
 
-/* st[t * queries + j] = row_t . q_j for `tokens` float16 rows `stride` halves apart
- * and `queries` queries (a multiple of 32) given transposed: qt[d * queries + j]. */
-WIDE_CLONES
-void reprise_turn_scores(const uint16_t *rows, ptrdiff_t stride, int tokens, int dim,
-                         const float *qt, int queries, float *st)
+/* st[t * queries + j] = row_t . q_j for `tokens` rows and `queries` queries (a
+ * multiple of 32) given transposed: qt[d * queries + j]. Always inlined, into each
+ * of the callers' clones: called, GCC compiled it once for plain x86-64, where its
+ * sixteen-lane tiles spill (0.9 s for a 17-token turn at 4k, against 0.1). */
+VECTOR_INLINE void turn_scores(const struct turn_rows *s, int tokens, int dim, const float *qt,
+                               int queries, float *st)
 {
     float wide[TILE_TOKENS * MAX_DIM];
     for (int t = 0; t < tokens; t += TILE_TOKENS) {
         int count = tokens - t < TILE_TOKENS ? tokens - t : TILE_TOKENS;
-        widen_rows(rows, stride, t, count, TILE_TOKENS, dim, wide);
+        widen_rows(s, t, count, TILE_TOKENS, dim, wide);
         for (int j = 0; j < queries; j += 2 * WIDE) {
             v16 acc[TILE_TOKENS][2] = {{{0}}};
             for (int d = 0; d < dim; d++) {
@@ -107,17 +146,36 @@ void reprise_turn_scores(const uint16_t *rows, ptrdiff_t stride, int tokens, int
     }
 }
 
-/* out[j * dim + :] += sum_t pt[t * queries + j] row_t for j < used (a multiple of
- * TILE_QUERIES, at most `queries`), `tokens` float16 rows `stride` halves apart; dim
- * a multiple of DIM_VECTORS * 16. */
+/* `turn_scores` over float16 rows `stride` halves apart. */
 WIDE_CLONES
-void reprise_turn_values(const uint16_t *rows, ptrdiff_t stride, int tokens, int dim,
-                         const float *pt, int queries, int used, float *out)
+void reprise_turn_scores(const uint16_t *rows, ptrdiff_t stride, int tokens, int dim,
+                         const float *qt, int queries, float *st)
+{
+    struct turn_rows s = {rows, stride, NULL, NULL, 0, 16, 1};
+    turn_scores(&s, tokens, dim, qt, queries, st);
+}
+
+/* `turn_scores` over packed rows: codes `stride` words apart, `groups` scales and
+ * biases a row, `scale_stride` halves apart. */
+WIDE_CLONES
+void reprise_turn_scores_packed(const uint32_t *codes, ptrdiff_t stride, const uint16_t *scales,
+                                const uint16_t *biases, ptrdiff_t scale_stride, int bits,
+                                int groups, int tokens, int dim, const float *qt, int queries,
+                                float *st)
+{
+    struct turn_rows s = {codes, stride, scales, biases, scale_stride, bits, groups};
+    turn_scores(&s, tokens, dim, qt, queries, st);
+}
+
+/* out[j * dim + :] += sum_t pt[t * queries + j] row_t for j < used (a multiple of
+ * TILE_QUERIES, at most `queries`), `tokens` rows; dim a multiple of DIM_VECTORS * 16. */
+VECTOR_INLINE void turn_values(const struct turn_rows *s, int tokens, int dim, const float *pt,
+                               int queries, int used, float *out)
 {
     float wide[VALUE_BLOCK * MAX_DIM];
     for (int t = 0; t < tokens; t += VALUE_BLOCK) {
         int count = tokens - t < VALUE_BLOCK ? tokens - t : VALUE_BLOCK;
-        widen_rows(rows, stride, t, count, count, dim, wide);
+        widen_rows(s, t, count, count, dim, wide);
         const float *weights = pt + (ptrdiff_t)t * queries;
         for (int j = 0; j < used; j += TILE_QUERIES) {
             for (int c = 0; c < dim; c += DIM_VECTORS * WIDE) {
@@ -142,6 +200,26 @@ void reprise_turn_values(const uint16_t *rows, ptrdiff_t stride, int tokens, int
             }
         }
     }
+}
+
+/* `turn_values` over float16 rows `stride` halves apart. */
+WIDE_CLONES
+void reprise_turn_values(const uint16_t *rows, ptrdiff_t stride, int tokens, int dim,
+                         const float *pt, int queries, int used, float *out)
+{
+    struct turn_rows s = {rows, stride, NULL, NULL, 0, 16, 1};
+    turn_values(&s, tokens, dim, pt, queries, used, out);
+}
+
+/* `turn_values` over packed rows, as `reprise_turn_scores_packed` reads them. */
+WIDE_CLONES
+void reprise_turn_values_packed(const uint32_t *codes, ptrdiff_t stride, const uint16_t *scales,
+                                const uint16_t *biases, ptrdiff_t scale_stride, int bits,
+                                int groups, int tokens, int dim, const float *pt, int queries,
+                                int used, float *out)
+{
+    struct turn_rows s = {codes, stride, scales, biases, scale_stride, bits, groups};
+    turn_values(&s, tokens, dim, pt, queries, used, out);
 }
 
 /* The limits above, for kvnative.py to check every call against (0: a row's width,

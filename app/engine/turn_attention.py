@@ -1,5 +1,5 @@
-"""A short turn's attention over the CPU path's float16 cache, by compiled products
-(short_turn.c through kvnative).
+"""A short turn's attention over the CPU path's cache, float16 rows or a bulk packed
+4 or 8 bits, by compiled products (short_turn.c through kvnative).
 
 A follow-up message of a few tokens at a long history is, per layer and KV head,
 a few dozen query rows (the turn's rows times the query heads sharing the KV head)
@@ -25,14 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from app.engine import cpu_attention, cpu_blas, kvnative, packed_rows
+from app.engine import cpu_attention, cpu_blas, kvcpu, kvnative, packed_rows
 
 MAX_ROWS = 64  # a turn's rows this takes; a longer prompt is a prefill step's work
 
 
 def applies(layout, queries: mx.array, mask, sinks) -> bool:
     """A float32 turn of 2..MAX_ROWS rows, no mask but the causal one, over float16
-    rows in a width the products take (the CPU path's 16 bits), where their AVX-512
+    rows (the CPU path's 16 bits) or a bulk packed 4 or 8 bits with float16 scales
+    (the app's 8-bit and 4-bit), in a width the products take, where their AVX-512
     build runs."""
     heads, rows, dim = queries.shape[1:]
     stores = [s for s in (*layout.exact, *layout.bulk) if s.buffers]
@@ -47,10 +48,15 @@ def applies(layout, queries: mx.array, mask, sinks) -> bool:
         and sinks is None
         and (mask is None or mask == "causal")
         and queries.dtype == mx.float32
-        and not layout.rotated
-        and all(s.bits is None and s.dtype == mx.float16 for s in stores)
-        and all(s.buffers[0].shape[3] == dim for s in stores)
+        and all(s.bits in (None, 4, 8) and s.dtype == mx.float16 for s in stores)
+        and all(_width(s) == dim for s in stores)
     )
+
+
+def _width(store) -> int:
+    """A store's row width in values (its codes' words hold 32 / bits each)."""
+    width = store.buffers[0].shape[3]
+    return width if store.bits is None else width * 32 // store.bits
 
 
 def attention(layout, queries: mx.array, scale: float, mask) -> mx.array:
@@ -60,28 +66,32 @@ def attention(layout, queries: mx.array, scale: float, mask) -> mx.array:
     batch, heads, rows, dim = queries.shape
     mx.eval(queries, [store.buffers for store in (*layout.exact, *layout.bulk)])
     spans = _spans(layout)
-    keys = [_rows(layout.exact[0] if exact else layout.bulk[0], a, b) for exact, a, b in spans]
-    values = [_rows(layout.exact[1] if exact else layout.bulk[1], a, b) for exact, a, b in spans]
-    kv_heads = len(keys[0]) // batch
+    keys = [_Span(layout.exact[0] if exact else layout.bulk[0], a, b) for exact, a, b in spans]
+    values = [_Span(layout.exact[1] if exact else layout.bulk[1], a, b) for exact, a, b in spans]
+    kv_heads = keys[0].heads // batch
     used = heads // kv_heads * rows
-    qt = _transposed(np.asarray(queries).reshape(batch * kv_heads, used, dim), scale)
+    q = np.asarray(queries).reshape(batch * kv_heads, used, dim)
+    qt = _transposed(q, scale)
+    # Rotated keys (the app's 4-bit): the bulk's scores from the queries rotated alike.
+    rotated = layout.rotated and layout.bulk_end > layout.bulk_start
+    bulk_qt = _transposed(cpu_blas.stacked_matmul(q, kvcpu.hadamard(dim)), scale) if rotated else qt
     tile = kvnative.TURN_VALUE_QUERIES
     out = np.zeros((batch * kv_heads, -(-used // tile) * tile, dim), np.float32)
 
     def attend(first: int, last: int) -> None:
         """KV heads [first, last), one's scores at a time: 2 MB at 4k tokens, 17 MB for
         128 queries at 32k."""
-        st = np.empty((sum(part.shape[1] for part in keys), qt.shape[2]), np.float32)
+        st = np.empty((sum(part.tokens for part in keys), qt.shape[2]), np.float32)
         for head in range(first, last):
             for part, into in zip(keys, _split(st, keys), strict=True):
-                kvnative.turn_scores(part[head], qt[head], into)
+                part.scores(head, (bulk_qt if part.store.rotate else qt)[head], into)
             if mask == "causal":
                 _hide_future(st, rows, used)
             # numpy's four passes over token-major scores took 0.9 ms a layer at 4k
             totals = kvnative.turn_softmax(st)
             totals[totals == 0] = 1  # a query that sees nothing: zeros, as cpu_attention
             for part, weights in zip(values, _split(st, values), strict=True):
-                kvnative.turn_values(part[head], weights, out[head])
+                part.values(head, weights, out[head])
             out[head, :used] /= totals[:used, None]
 
     _shared(attend, batch * kv_heads)
@@ -131,10 +141,31 @@ def _spans(layout) -> list[tuple[bool, int, int]]:
     return [span for span in spans if span[2] > span[1]]
 
 
-def _rows(store, start: int, end: int) -> np.ndarray:
-    """A store's tokens [start, end) as a numpy view (batch x KV heads, tokens, dim)."""
-    view = np.asarray(store.buffers[0])[:, :, store.span(start, end)]
-    return view.reshape(view.shape[0] * view.shape[1], *view.shape[2:])
+class _Span:
+    """A store's tokens [start, end) as numpy views of its buffers (batch x KV heads,
+    tokens, width): float16 rows, or codes, scales and biases; their products with a
+    KV head's queries."""
+
+    def __init__(self, store, start: int, end: int) -> None:
+        self.store = store
+        views = (np.asarray(buffer)[:, :, store.span(start, end)] for buffer in store.buffers)
+        self.parts = [v.reshape(v.shape[0] * v.shape[1], *v.shape[2:]) for v in views]
+        self.heads, self.tokens = self.parts[0].shape[:2]
+
+    def _packed(self, head: int) -> kvnative.PackedTurnRows:
+        return kvnative.PackedTurnRows(self.store.bits, *(part[head] for part in self.parts))
+
+    def scores(self, head: int, qt: np.ndarray, st: np.ndarray) -> None:
+        if self.store.bits is None:
+            kvnative.turn_scores(self.parts[0][head], qt, st)
+        else:
+            kvnative.turn_scores_packed(self._packed(head), qt, st)
+
+    def values(self, head: int, pt: np.ndarray, out: np.ndarray) -> None:
+        if self.store.bits is None:
+            kvnative.turn_values(self.parts[0][head], pt, out)
+        else:
+            kvnative.turn_values_packed(self._packed(head), pt, out)
 
 
 def _transposed(q: np.ndarray, scale: float) -> np.ndarray:
@@ -146,9 +177,9 @@ def _transposed(q: np.ndarray, scale: float) -> np.ndarray:
     return qt
 
 
-def _split(st: np.ndarray, parts: list[np.ndarray]) -> list[np.ndarray]:
+def _split(st: np.ndarray, parts: list[_Span]) -> list[np.ndarray]:
     """A head's token-major scores cut into the spans `parts` hold."""
-    ends = np.cumsum([part.shape[1] for part in parts])[:-1]
+    ends = np.cumsum([part.tokens for part in parts])[:-1]
     return np.split(st, ends)
 
 
