@@ -181,6 +181,27 @@ def test_a_short_turn_over_float16_rows_matches_the_oracle(
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
 
 
+def test_a_packed_bulk_laid_out_otherwise_goes_to_the_dense_path():
+    """Scales that are a transposed view (each token's groups not one run of memory) are
+    not what the compiled products read: that turn takes the dense path, and attends as
+    the oracle does."""
+    layer = MixedKVCache(APP_SCHEMES["8-bit"])
+    shape = (1, 2, 300, 128)
+    keys, values = (mx.random.normal(shape, key=mx.random.key(k)) for k in (1, 2))
+    layer.update_and_fetch(keys[..., :-9, :], values[..., :-9, :])
+    layer.update_and_fetch(keys[..., -9:, :], values[..., -9:, :])
+    queries = mx.random.normal((1, 6, 9, 128), key=mx.random.key(3))
+    assert turn_attention.applies(layer.layout(), queries, "causal", None)
+    store = layer.bulk[0]
+    scales = np.asarray(store.buffers[1])
+    store.buffers[1] = mx.swapaxes(mx.array(np.ascontiguousarray(scales.swapaxes(2, 3))), 2, 3)
+    assert not turn_attention.applies(layer.layout(), queries, "causal", None)
+    got = layer.attend(queries, 0.125, "causal")
+    keys, values = (layer.reference_read(part, mx.float32) for part in (0, 1))
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask="causal")
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 8), (4, 1)])
 def test_a_short_turn_on_two_threads_matches_the_oracle(monkeypatch, heads, kv_heads):
     """A turn on two threads shares its KV heads with the helper thread (an odd count,

@@ -50,7 +50,16 @@ def applies(layout, queries: mx.array, mask, sinks) -> bool:
         and queries.dtype == mx.float32
         and all(s.bits in (None, 4, 8) and s.dtype == mx.float16 for s in stores)
         and all(_width(s) == dim for s in stores)
+        and all(_packed_rows_fit(s) for s in stores if s.bits is not None)
     )
+
+
+def _packed_rows_fit(store) -> bool:
+    """Whether a packed store's buffers are laid out as the compiled products read
+    them (`kvnative.PackedTurnRows.takes`); elsewhere the dense path attends."""
+    mx.eval(store.buffers)
+    codes, scales, biases = (np.asarray(buffer)[0, 0] for buffer in store.buffers)
+    return kvnative.PackedTurnRows.takes(store.bits, codes, scales, biases)
 
 
 def _width(store) -> int:
