@@ -141,6 +141,8 @@ for case in t.CASES:
     t.test_a_layer_s_attention_equals_numpy_on_the_dequantized_rows(*case)
 for case in s.TURN_CASES:
     s.test_a_short_turns_products_equal_numpy(*case)
+for case in s.PACKED_TURN_CASES:
+    s.test_a_short_turns_products_over_packed_rows_equal_numpy(*case)
 s.test_a_short_turns_softmax_equals_numpy(4099, 64)
 """
 

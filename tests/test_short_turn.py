@@ -96,6 +96,18 @@ def test_packed_rows_the_products_do_not_read_are_refused():
     assert not kvnative.PackedTurnRows.takes(8, codes[:, :5], scales, biases)
     with pytest.raises(ValueError):
         kvnative.PackedTurnRows(8, codes, scales[:, :0], biases[:, :0])
+    # tokens a part of a word apart (hand-built: the C would step past the span)
+    raw = np.zeros(8 * 66 + 64, np.uint8)
+    start = np.frombuffer(raw.data, np.uint32, 16, 7 * 66)
+    skewed = np.lib.stride_tricks.as_strided(start, (8, 16), (-66, 4))
+    ones = np.ones((8, 1), np.float16)
+    assert not kvnative.PackedTurnRows.takes(8, skewed, ones, ones)
+    halves = np.frombuffer(raw.data, np.float16, 64, 1)
+    skewed_rows = np.lib.stride_tricks.as_strided(halves, (4, 64), (129, 2))
+    with pytest.raises(ValueError):
+        kvnative.turn_scores(
+            skewed_rows, np.zeros((64, 32), np.float32), np.empty((4, 32), np.float32)
+        )
 
 
 @pytest.mark.skipif(not kvnative.available(), reason="the library was not built here")

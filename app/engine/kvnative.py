@@ -198,6 +198,7 @@ def turn_scores(rows: np.ndarray, qt: np.ndarray, st: np.ndarray) -> None:
     tokens, dim = rows.shape
     queries = qt.shape[1]
     _require(turn_fits(dim) and rows.dtype == np.float16 and rows.strides[1] == 2)
+    _require(rows.strides[0] % 2 == 0)
     _require(qt.dtype == st.dtype == np.float32 and qt.flags.c_contiguous and st.flags.c_contiguous)
     _require(qt.shape[0] == dim and queries % TURN_QUERIES == 0 and st.shape == (tokens, queries))
     _load().reprise_turn_scores(
@@ -223,6 +224,7 @@ def turn_values(rows: np.ndarray, pt: np.ndarray, out: np.ndarray) -> None:
     tokens, dim = rows.shape
     used, queries = len(out), pt.shape[1]
     _require(turn_fits(dim) and rows.dtype == np.float16 and rows.strides[1] == 2)
+    _require(rows.strides[0] % 2 == 0)
     _require(
         pt.dtype == out.dtype == np.float32 and pt.flags.c_contiguous and out.flags.c_contiguous
     )
@@ -282,6 +284,9 @@ class PackedTurnRows:
             and scales.strides == biases.strides
             and codes.strides[1] == 4
             and scales.strides[1] == 2
+            # whole elements from a token to the next (the C steps in words and halves)
+            and codes.strides[0] % 4 == 0
+            and scales.strides[0] % 2 == 0
             and dim % groups == 0
             and dim // groups % 2 == 0
         )
