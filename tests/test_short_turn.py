@@ -35,19 +35,7 @@ def test_a_short_turns_products_equal_numpy(dim, queries, tokens):
     the tile) and values (added to what `out` holds) over a strided span of float16
     rows, against numpy's products of the rows widened."""
     rows, wide = packed_rows(None, 1, tokens, dim, dim)
-    rows, wide = rows.codes[0], wide[0]  # one KV head: (tokens, dim)
-    width = -(-queries // kvnative.TURN_QUERIES) * kvnative.TURN_QUERIES
-    used = -(-queries // kvnative.TURN_VALUE_QUERIES) * kvnative.TURN_VALUE_QUERIES
-    rng = np.random.default_rng(tokens)
-    qt = np.zeros((dim, width), np.float32)
-    qt[:, :queries] = rng.standard_normal((dim, queries), np.float32)
-    st = np.full((tokens, width), np.nan, np.float32)
-    kvnative.turn_scores(rows, qt, st)
-    np.testing.assert_allclose(st, wide @ qt, rtol=1e-4, atol=1e-3)
-    pt = rng.random((tokens, width), np.float32)
-    out = np.ones((used, dim), np.float32)
-    kvnative.turn_values(rows, pt, out)
-    np.testing.assert_allclose(out, 1 + pt[:, :used].T @ wide, rtol=1e-4, atol=1e-2)
+    _check_turn_products(rows.codes[0], wide[0], queries)  # one KV head: (tokens, dim)
 
 
 PACKED_TURN_CASES = [  # (bits, dim, group, queries, tokens)
@@ -66,18 +54,24 @@ def test_a_short_turns_products_over_packed_rows_equal_numpy(bits, dim, group, q
     codes, scales and biases), against numpy's products of the rows dequantized."""
     rows, wide = packed_rows(bits, 1, tokens, dim, group)
     packed = kvnative.PackedTurnRows(bits, rows.codes[0], rows.scales[0], rows.biases[0])
-    wide = wide[0]
+    _check_turn_products(packed, wide[0], queries)
+
+
+def _check_turn_products(rows, wide: np.ndarray, queries: int) -> None:
+    """The turn products over `rows` against numpy's over `wide`, what they stand for
+    (tokens, dim) in float32."""
+    tokens, dim = wide.shape
     width = -(-queries // kvnative.TURN_QUERIES) * kvnative.TURN_QUERIES
     used = -(-queries // kvnative.TURN_VALUE_QUERIES) * kvnative.TURN_VALUE_QUERIES
     rng = np.random.default_rng(tokens)
     qt = np.zeros((dim, width), np.float32)
     qt[:, :queries] = rng.standard_normal((dim, queries), np.float32)
     st = np.full((tokens, width), np.nan, np.float32)
-    kvnative.turn_scores_packed(packed, qt, st)
+    kvnative.turn_scores(rows, qt, st)
     np.testing.assert_allclose(st, wide @ qt, rtol=1e-4, atol=1e-3)
     pt = rng.random((tokens, width), np.float32)
     out = np.ones((used, dim), np.float32)
-    kvnative.turn_values_packed(packed, pt, out)
+    kvnative.turn_values(rows, pt, out)
     np.testing.assert_allclose(out, 1 + pt[:, :used].T @ wide, rtol=1e-4, atol=1e-2)
 
 

@@ -191,16 +191,17 @@ def turn_max_queries() -> int:
     return _load().turn_limits[1]
 
 
-def turn_scores(rows: np.ndarray, qt: np.ndarray, st: np.ndarray) -> None:
-    """st = rows @ qt: float16 rows (tokens, dim), each row contiguous; qt (dim,
-    queries) contiguous float32, queries a multiple of TURN_QUERIES; st (tokens,
-    queries) contiguous float32."""
-    tokens, dim = rows.shape
+def turn_scores(rows: np.ndarray | PackedTurnRows, qt: np.ndarray, st: np.ndarray) -> None:
+    """st = rows @ qt: float16 rows (tokens, dim), each row contiguous, or packed rows
+    (`PackedTurnRows`), widened as they are read; qt (dim, queries) contiguous float32,
+    queries a multiple of TURN_QUERIES; st (tokens, queries) contiguous float32."""
+    tokens, dim = _turn_rows(rows)
     queries = qt.shape[1]
-    _require(turn_fits(dim) and rows.dtype == np.float16 and rows.strides[1] == 2)
-    _require(rows.strides[0] % 2 == 0)
     _require(qt.dtype == st.dtype == np.float32 and qt.flags.c_contiguous and st.flags.c_contiguous)
     _require(qt.shape[0] == dim and queries % TURN_QUERIES == 0 and st.shape == (tokens, queries))
+    if isinstance(rows, PackedTurnRows):
+        _load().reprise_turn_scores_packed(*rows.fields(), qt.ctypes.data, queries, st.ctypes.data)
+        return
     _load().reprise_turn_scores(
         rows.ctypes.data, rows.strides[0] // 2, tokens, dim, qt.ctypes.data, queries, st.ctypes.data
     )
@@ -217,44 +218,37 @@ def turn_softmax(st: np.ndarray) -> np.ndarray:
     return totals
 
 
-def turn_values(rows: np.ndarray, pt: np.ndarray, out: np.ndarray) -> None:
-    """out += pt[:, :used].T @ rows: float16 rows (tokens, dim) as for `turn_scores`;
-    pt (tokens, queries) contiguous float32; out (used, dim) contiguous float32, used
-    a multiple of TURN_VALUE_QUERIES, at most queries."""
-    tokens, dim = rows.shape
+def turn_values(rows: np.ndarray | PackedTurnRows, pt: np.ndarray, out: np.ndarray) -> None:
+    """out += pt[:, :used].T @ rows: rows as for `turn_scores`; pt (tokens, queries)
+    contiguous float32; out (used, dim) contiguous float32, used a multiple of
+    TURN_VALUE_QUERIES, at most queries."""
+    tokens, dim = _turn_rows(rows)
     used, queries = len(out), pt.shape[1]
-    _require(turn_fits(dim) and rows.dtype == np.float16 and rows.strides[1] == 2)
-    _require(rows.strides[0] % 2 == 0)
     _require(
         pt.dtype == out.dtype == np.float32 and pt.flags.c_contiguous and out.flags.c_contiguous
     )
     _require(pt.shape[0] == tokens and out.shape[1] == dim)
     _require(used % TURN_VALUE_QUERIES == 0 and used <= queries)
+    if isinstance(rows, PackedTurnRows):
+        _load().reprise_turn_values_packed(
+            *rows.fields(), pt.ctypes.data, queries, used, out.ctypes.data
+        )
+        return
     _load().reprise_turn_values(
         rows.ctypes.data, rows.strides[0] // 2, tokens, dim, pt.ctypes.data, queries, used,
         out.ctypes.data,
     )  # fmt: skip
 
 
-def turn_scores_packed(rows: PackedTurnRows, qt: np.ndarray, st: np.ndarray) -> None:
-    """`turn_scores` over packed rows (`PackedTurnRows`), each widened as it is read."""
-    _require(qt.dtype == st.dtype == np.float32 and qt.flags.c_contiguous and st.flags.c_contiguous)
-    _require(qt.shape[0] == rows.dim and qt.shape[1] % TURN_QUERIES == 0)
-    _require(st.shape == (rows.tokens, qt.shape[1]))
-    _load().reprise_turn_scores_packed(*rows.fields(), qt.ctypes.data, qt.shape[1], st.ctypes.data)
-
-
-def turn_values_packed(rows: PackedTurnRows, pt: np.ndarray, out: np.ndarray) -> None:
-    """`turn_values` over packed rows (`PackedTurnRows`), each widened as it is read."""
-    used, queries = len(out), pt.shape[1]
-    _require(
-        pt.dtype == out.dtype == np.float32 and pt.flags.c_contiguous and out.flags.c_contiguous
-    )
-    _require(pt.shape[0] == rows.tokens and out.shape[1] == rows.dim)
-    _require(used % TURN_VALUE_QUERIES == 0 and used <= queries)
-    _load().reprise_turn_values_packed(
-        *rows.fields(), pt.ctypes.data, queries, used, out.ctypes.data
-    )
+def _turn_rows(rows: np.ndarray | PackedTurnRows) -> tuple[int, int]:
+    """(tokens, dim) of rows the turn products read: packed ones were checked when
+    made; float16 ones each contiguous, whole halves apart, of a width they take."""
+    if isinstance(rows, PackedTurnRows):
+        return rows.tokens, rows.dim
+    tokens, dim = rows.shape
+    _require(turn_fits(dim) and rows.dtype == np.float16 and rows.strides[1] == 2)
+    _require(rows.strides[0] % 2 == 0)
+    return tokens, dim
 
 
 class PackedTurnRows:

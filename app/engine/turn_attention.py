@@ -161,20 +161,17 @@ class _Span:
         self.parts = [v.reshape(v.shape[0] * v.shape[1], *v.shape[2:]) for v in views]
         self.heads, self.tokens = self.parts[0].shape[:2]
 
-    def _packed(self, head: int) -> kvnative.PackedTurnRows:
+    def _rows(self, head: int) -> np.ndarray | kvnative.PackedTurnRows:
+        """KV head `head`'s rows as the turn products take them."""
+        if self.store.bits is None:
+            return self.parts[0][head]
         return kvnative.PackedTurnRows(self.store.bits, *(part[head] for part in self.parts))
 
     def scores(self, head: int, qt: np.ndarray, st: np.ndarray) -> None:
-        if self.store.bits is None:
-            kvnative.turn_scores(self.parts[0][head], qt, st)
-        else:
-            kvnative.turn_scores_packed(self._packed(head), qt, st)
+        kvnative.turn_scores(self._rows(head), qt, st)
 
     def values(self, head: int, pt: np.ndarray, out: np.ndarray) -> None:
-        if self.store.bits is None:
-            kvnative.turn_values(self.parts[0][head], pt, out)
-        else:
-            kvnative.turn_values_packed(self._packed(head), pt, out)
+        kvnative.turn_values(self._rows(head), pt, out)
 
 
 def _transposed(q: np.ndarray, scale: float) -> np.ndarray:
