@@ -13,6 +13,7 @@ from test_families import assert_identical
 from app.engine.codecs import is_window_copy
 from app.engine.conversation import TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
+from app.engine.kvquant import quantized_at
 from sessions.cachefiles import CacheIndex, path_from_url
 from sessions.db import open_db
 
@@ -65,6 +66,31 @@ def test_a_quantized_chat_keeps_one_window_copy_and_reopens_as_it_never_closed(t
     assert held.restore.source == "memory"
     assert held.text == from_disk.text
     assert CacheIndex(open_db()).usage()[1] > bytes_on_disk  # it saved, as before
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_reopened_quantized_chat_goes_on_quantizing_as_if_it_never_closed(tiny_model, bits):
+    """A reply after a reopen long enough that rows leave the 16-bit window for the
+    quantized bulk: the restored layers take them as the live ones do."""
+    options = TurnOptions(
+        sampling=SamplingSettings.greedy(48), kv=KVSettings(bits=bits, group_size=32)
+    )
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    turn(engine, conversation.id, "hello there, tell me a story", options)
+    saved = len(engine.session.tokens)
+
+    reopened = new_engine(tiny_model)
+    from_disk, _ = turn(reopened, conversation.id, "and then?", options)
+    assert from_disk.restore.source == "disk"
+    scheme = reopened.session.cache[0].scheme
+    after = len(reopened.session.tokens)
+    assert quantized_at(after, scheme.window, scheme) > quantized_at(saved, scheme.window, scheme)
+
+    user = reopened.store.message(from_disk.message_id).parent_id
+    held = [e for e in engine.edit(user, "and then?", options) if hasattr(e, "restore")][-1]
+    assert held.restore.source == "memory"
+    assert held.text == from_disk.text
 
 
 def test_a_chat_that_ends_where_another_goes_on_keeps_its_copy(tiny_model):

@@ -54,7 +54,7 @@ class ChunkJoin:
             kept = self.pieces.setdefault(run, {})
             codec = CODECS[classes[run[0]]]
             for name, array in named.items():
-                if isinstance(array, np.ndarray) and codec.joins(name):
+                if isinstance(array, np.ndarray) and codec.joins(name) and _worth_placing(array):
                     self._place(run, name, array, span[0], codec.capacity(self.tokens))
                     # what the checks and the build read of it: its shape and type
                     array = np.broadcast_to(np.zeros((), array.dtype), array.shape)
@@ -128,7 +128,23 @@ class ChunkJoin:
         restore copies it, at the GPU's speed)."""
         if (run[0], name) in self.placed:
             return [from_stored(self.placed[i, name][0]) for i in range(run[0], run[1] + 1)]
+        pieces = [mx.array(p) if isinstance(p, np.ndarray) else p for p in pieces]
         return layer_rows(from_stored(joined(pieces, capacity)))
+
+
+# Bytes a token of one layer's tensor must hold to be copied into each layer's own
+# buffer as its chunk is read. A group's scales or biases hold a few (2 to 8 a head):
+# copying each chunk into thirty buffers costs more in calls than in bytes, so they
+# are joined at the build instead, each layer a view of its run's buffer (a view's
+# first update copies it: a few kB).
+_PLACED_BYTES_PER_TOKEN = 64
+
+
+def _worth_placing(array: np.ndarray) -> bool:
+    """Whether a chunk's tensor (layers first, tokens on axis 3) goes into each layer's
+    own buffer as it is read (`ChunkJoin._place`) rather than joined at the build."""
+    heads, width = array.shape[2], array.shape[4]
+    return heads * width * array.itemsize >= _PLACED_BYTES_PER_TOKEN
 
 
 def single_layers_of(pieces: dict[Run, dict[str, list]]) -> dict[Run, dict[str, list]]:
