@@ -28,6 +28,16 @@ _STORED_DTYPES = (mx.float32, mx.float16, mx.uint32, mx.uint16)
 
 
 def to_numpy(array: mx.array) -> np.ndarray:
+    """`array` copied into host memory, bfloat16 as its raw bits.
+
+    Where the GPU has memory of its own, mlx moves the whole buffer under an array
+    into managed memory when the host reads it (mlx-cuda's `Buffer::raw_ptr`, a
+    synchronous copy): a save's view of a turn's rows would take the layer's every
+    row along, and the GPU would then compute on managed memory. A view is first
+    copied on the device into an array of its own (`mx.contiguous` copies a view of
+    part of a buffer; one of a whole buffer is that buffer)."""
+    if device_apart():
+        array = mx.contiguous(array)
     if array.dtype == mx.bfloat16:
         return np.array(array.view(mx.uint16))
     return np.array(array)
