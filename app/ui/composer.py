@@ -73,6 +73,17 @@ class Composer(QWidget):
         self.banner.hide()
         self.button.setText("Send")
 
+    def draft(self) -> str:
+        """What the user typed and has not sent (during an edit, what waits for it)."""
+        return self._draft if self.editing is not None else self.edit.toPlainText()
+
+    def show_draft(self, text: str) -> None:
+        """Another chat's draft in the box, the cursor at its end; an edit under way is
+        given up (its message stays as it was)."""
+        self.cancel_edit()
+        self.edit.setPlainText(text)
+        self.edit.moveCursor(QTextCursor.MoveOperation.End)
+
     def _clicked(self) -> None:
         if self.generating:
             self.stop_requested.emit()

@@ -25,6 +25,7 @@ from app.ui.chat_settings import chat_settings
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
 from app.ui.context_meter import ContextMeter
+from app.ui.draft_keeper import DraftKeeper
 from app.ui.menus import build_menus
 from app.ui.model_bar import ModelBar
 from app.ui.quitting import wait_for_worker
@@ -82,6 +83,7 @@ class MainWindow(QMainWindow):
         self.header = ChatHeader()
         self.chat = ChatView()
         self.composer = Composer()
+        self.drafts = DraftKeeper(self.composer, self)
         self.meter = ContextMeter()
         # Count the draft once typing pauses, not at every key.
         self._count_soon = QTimer(self, singleShot=True, interval=COUNT_AFTER_MS)
@@ -97,6 +99,7 @@ class MainWindow(QMainWindow):
         self.refresh_models()
         self.refresh_sidebar()
         chats = self.store.list()  # the most recently used first: reopen it, as it was left
+        self.drafts.prune({chat.id for chat in chats})
         self.show_conversation(chats[0].id if chats else None)
         self.composer.edit.setFocus()  # open ready to type
         self.load_model_requested.emit(self.models.current())
@@ -179,6 +182,7 @@ class MainWindow(QMainWindow):
         self.composer.edit.textChanged.connect(self._count_soon.start)
         self._count_soon.timeout.connect(self.ask_context)
         self.meter.new_chat_requested.connect(self.turns.send_in_new_chat)
+        self.composer.send_requested.connect(self.drafts.forget)
         self.composer.send_requested.connect(self.turns.send)
         self.composer.edit_requested.connect(self.turns.edit_sent)
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
@@ -235,7 +239,9 @@ class MainWindow(QMainWindow):
     @Slot(int)
     def show_conversation(self, conversation_id: int | None) -> None:
         if self.generating:
+            self._stay_while_replying()
             return
+        self.drafts.swap(conversation_id)
         self.conversation_id = conversation_id
         self.chat.show_messages(rendered_messages(self.store, conversation_id))
         self._show_header()
@@ -250,9 +256,16 @@ class MainWindow(QMainWindow):
     def show_match(self, conversation_id: int, message_id: int) -> None:
         """A search result on a hidden branch: the chat, switched to that branch."""
         if self.generating:
+            self._stay_while_replying()
             return
         self.show_conversation(conversation_id)
         self.branch_requested.emit(conversation_id, message_id)
+
+    def _stay_while_replying(self) -> None:
+        """A reply streams into the chat on screen: it stays there, and the user is
+        told how to go elsewhere (the sidebar's highlight goes back to it)."""
+        self.sidebar.select(self.conversation_id)
+        self.status.say("A reply is being written here: stop it (Esc) to switch chats")
 
     def _show_header(self) -> None:
         chat = self.store.get(self.conversation_id) if self.conversation_id else None
@@ -315,6 +328,7 @@ class MainWindow(QMainWindow):
     @Slot(int)
     def on_conversation_started(self, conversation_id: int) -> None:
         self.conversation_id = conversation_id
+        self.drafts.started(conversation_id)
         self.refresh_sidebar()
         self._show_header()
 
@@ -391,6 +405,7 @@ class MainWindow(QMainWindow):
     # -- quitting ------------------------------------------------------------------------
 
     def closeEvent(self, event) -> None:
-        """Stop a reply, let the worker finish its save, then go."""
+        """Keep the draft, stop a reply, let the worker finish its save, then go."""
+        self.drafts.keep()
         wait_for_worker(self.engine, self)
         event.accept()

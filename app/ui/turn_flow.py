@@ -33,8 +33,13 @@ class TurnFlow(QObject):
 
     @Slot()
     def send_in_new_chat(self) -> None:
+        """The draft, too long for this chat, sent as a new chat's first message."""
+        composer = self.window.composer
+        text = composer.edit.toPlainText()
+        composer.edit.clear()  # it leaves this chat: no draft is kept here
         self.window.show_conversation(None)
-        self.window.composer.send()
+        composer.edit.setPlainText(text)
+        composer.send()
 
     def regenerate(self) -> None:
         w = self.window

@@ -1,0 +1,80 @@
+"""What the user typed in a chat's message box and has not sent: kept per chat, across
+switches between chats and across restarts.
+
+Drafts are the window's own state, in a JSON file of their own next to the database
+(`drafts.json` in the data folder), written by the window alone: the database has one
+writer, the worker, and a draft must be kept while the worker is busy with a reply,
+or already stopped when the window closes. A file that cannot be read is no drafts,
+never an error: losing a draft must not keep the app from starting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+FILE_NAME = "drafts.json"
+# Characters kept per draft: far more than any model's context, and a pasted file
+# several megabytes long is still not written at every switch.
+MAX_DRAFT = 1_000_000
+
+
+class Drafts:
+    """The unsent text of each chat (by conversation id; 0 for a chat not yet started)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._texts = _read(path)
+
+    def get(self, conversation_id: int) -> str:
+        return self._texts.get(conversation_id, "")
+
+    def put(self, conversation_id: int, text: str) -> None:
+        """Keep `text` as the chat's draft ("" or only spaces: it has none); written at once."""
+        text = text[:MAX_DRAFT]
+        if text.strip():
+            changed = self._texts.get(conversation_id) != text
+            self._texts[conversation_id] = text
+        else:
+            changed = self._texts.pop(conversation_id, None) is not None
+        if changed:
+            self._write()
+
+    def keep_only(self, conversation_ids: set[int]) -> None:
+        """Drop the drafts of chats that are gone (deleted), keeping a new chat's."""
+        gone = [i for i in self._texts if i and i not in conversation_ids]
+        for i in gone:
+            del self._texts[i]
+        if gone:
+            self._write()
+
+    def _write(self) -> None:
+        """Atomically: a crash mid-write leaves the previous file, never half of one. A
+        write that fails (a full disk, a read-only folder) keeps the drafts in memory."""
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        data = {str(i): text for i, text in self._texts.items()}
+        try:
+            tmp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+
+def _read(path: Path) -> dict[int, str]:
+    """The drafts in `path`; entries of the wrong shape are skipped, a damaged file is none."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    texts = {}
+    for key, text in data.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and isinstance(text, str):
+            if not text.strip():
+                continue
+            texts[int(key)] = text[:MAX_DRAFT]
+    return texts

@@ -1,0 +1,99 @@
+"""The message box as a user leaves it: each chat keeps its own unsent text, across
+switches and restarts, and a reply keeps its chat on screen until it is stopped.
+(Found on a new-user walk: the one box's text followed the user into every chat, where
+Enter sent it; a draft was lost on quit; a click on another chat during a reply moved
+the list's highlight and did nothing else.)"""
+
+from __future__ import annotations
+
+from gui_window import send, start_long_reply, wait_reply
+from PySide6.QtCore import Qt
+
+
+def click_chat(qtbot, window, conversation_id):
+    """A mouse click on the chat's row in the sidebar."""
+    rows = window.sidebar.list
+    for row in range(rows.count()):
+        item = rows.item(row)
+        if item.data(Qt.ItemDataRole.UserRole) == conversation_id:
+            where = rows.visualItemRect(item).center()
+            qtbot.mouseClick(rows.viewport(), Qt.MouseButton.LeftButton, pos=where)
+            return
+    raise AssertionError(f"chat {conversation_id} is not in the list")
+
+
+def two_chats(qtbot, window) -> tuple[int, int]:
+    send(qtbot, window, "Tell me about penguins.", greedy_tokens=4)
+    first = window.conversation_id
+    window.new_chat()
+    send(qtbot, window, "Tell me about owls.", greedy_tokens=4)
+    return first, window.conversation_id
+
+
+def test_each_chat_keeps_its_own_draft(qtbot, open_window):
+    window = open_window()
+    first, second = two_chats(qtbot, window)
+    box = window.composer.edit
+    qtbot.keyClicks(box, "and their eggs?")  # typed into the second chat, not sent
+    click_chat(qtbot, window, first)
+    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
+    assert box.toPlainText() == ""  # the other chat's text did not follow
+    qtbot.keyClicks(box, "and their feathers?")
+    click_chat(qtbot, window, second)
+    qtbot.waitUntil(lambda: window.conversation_id == second, timeout=10_000)
+    assert box.toPlainText() == "and their eggs?"
+    window.new_chat()
+    assert box.toPlainText() == ""
+    click_chat(qtbot, window, first)
+    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
+    assert box.toPlainText() == "and their feathers?"
+    # Enter sends this chat's draft into this chat, and the draft is gone.
+    qtbot.keyClick(box, Qt.Key.Key_Return)
+    wait_reply(qtbot, window)
+    assert window.store.get(first).messages[-2].content == "and their feathers?"
+    assert "and their feathers?" not in [m.content for m in window.store.get(second).messages]
+    assert box.toPlainText() == ""
+
+
+def test_a_draft_outlives_a_restart_and_a_sent_one_does_not(qtbot, open_window):
+    window = open_window()
+    first, second = two_chats(qtbot, window)
+    qtbot.keyClicks(window.composer.edit, "unfinished")
+    click_chat(qtbot, window, first)
+    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
+    qtbot.keyClicks(window.composer.edit, "also unfinished")
+    window.close()  # Ctrl+Q
+
+    again = open_window()  # opens the chat with the latest message: the second
+    assert again.conversation_id == second
+    assert again.composer.edit.toPlainText() == "unfinished"
+    click_chat(qtbot, again, first)
+    qtbot.waitUntil(lambda: again.conversation_id == first, timeout=10_000)
+    assert again.composer.edit.toPlainText() == "also unfinished"
+    qtbot.keyClick(again.composer.edit, Qt.Key.Key_Return)
+    wait_reply(qtbot, again)
+    again.close()
+
+    third = open_window()  # the first chat has the latest message now, and nothing unsent
+    assert third.conversation_id == first
+    assert third.composer.edit.toPlainText() == ""
+    click_chat(qtbot, third, second)
+    qtbot.waitUntil(lambda: third.conversation_id == second, timeout=10_000)
+    assert third.composer.edit.toPlainText() == "unfinished"
+
+
+def test_a_chat_being_replied_to_stays_on_screen_and_says_how_to_leave(qtbot, open_window):
+    window = open_window()
+    first, second = two_chats(qtbot, window)
+    start_long_reply(qtbot, window)
+    click_chat(qtbot, window, first)
+    assert window.conversation_id == second
+    chosen = window.sidebar.list.currentItem()
+    assert chosen is not None and chosen.data(Qt.ItemDataRole.UserRole) == second
+    assert "stop it (Esc) to switch chats" in window.status.message.text()
+    assert window.generating  # the reply goes on
+
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
+    wait_reply(qtbot, window)
+    click_chat(qtbot, window, first)
+    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
