@@ -171,6 +171,11 @@ def test_bench_kv_prints_one_row_per_mode_side_by_side(tiny_model_dir, tmp_path)
     assert rows[0]["kl"] == 0 and all(r["kl"] > 0 for r in rows[1:])
     assert all(r["kv_bytes"] < rows[0]["kv_bytes"] for r in rows[1:])
     assert result["app_modes"] == {"4-bit": "k4v4 hadamard sink+window128"}
+    # The reference is the cache the app keeps with quantization Off: on the CPU path,
+    # where the model computes in float32, that is float16 (2 bytes a number), as the
+    # Memory preference's shares assume (a new-user walk found them against float32).
+    numbers = tiny.LAYERS * 2 * tiny.KV_HEADS * (tiny.HIDDEN // tiny.HEADS) * 400
+    assert 2 * numbers <= rows[0]["kv_bytes"] < 3 * numbers
 
 
 def test_bench_kv_decode_interleaves_16_bit_and_the_app_modes(tiny_model_dir):

@@ -19,15 +19,16 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from app.bench.kv_quality import TEXT, Mode, default_modes
+from app.bench.kv_quality import TEXT, Mode, default_modes, off_scheme
 from app.engine import kvnative, steps
-from app.engine.kvscheme import APP_SCHEMES
+from app.engine.kvscheme import APP_SCHEMES, KVScheme
 
 
-def app_modes(group_size: int = 64) -> list[Mode]:
-    """16-bit first, then the modes the Memory preference's 8-bit and 4-bit use."""
+def app_modes(group_size: int = 64, off: KVScheme | None = None) -> list[Mode]:
+    """16-bit first (the app's Off, `off`), then the modes the Memory preference's
+    8-bit and 4-bit use."""
     schemes = {replace(scheme, group_size=group_size) for scheme in APP_SCHEMES.values()}
-    modes = default_modes(group_size)
+    modes = default_modes(group_size, off)
     return [modes[0], *(mode for mode in modes if mode.scheme in schemes)]
 
 
@@ -51,7 +52,8 @@ def with_numpy_rows(modes: list[Mode]) -> list[Mode]:
     is built (their rows say "numpy")."""
     if not kvnative.available():
         return modes
-    again = [NumpyProducts(f"{m.name} (numpy)", m.scheme) for m in modes if m.scheme]
+    quantized = [m for m in modes if m.scheme is not None and m.scheme.key_bits is not None]
+    again = [NumpyProducts(f"{m.name} (numpy)", m.scheme) for m in quantized]
     return [*modes, *again]
 
 
@@ -97,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
     tokens = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     if len(tokens) < args.tokens + args.steps:
         raise SystemExit(f"the text has {len(tokens)} tokens, fewer than --tokens + --steps")
-    modes = with_numpy_rows(app_modes(args.group_size))
+    modes = with_numpy_rows(app_modes(args.group_size, off_scheme(loaded)))
     times = step_times(loaded.model, tokens, modes, args.tokens, args.steps)
     result = {
         "rows": rows(modes, times),

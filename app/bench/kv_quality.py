@@ -7,8 +7,9 @@ a time, so its own keys and values go through the mode's cache exactly as
 generated tokens do. Measured per mode:
 
 - perplexity of the continuation, and the mean KL divergence of each next-token
-  distribution from the 16-bit row's (the 16-bit row stores float16 even where
-  the model computes in float32, so byte shares are against true 16 bits);
+  distribution from the 16-bit row's (the 16-bit row is the cache the app keeps
+  with quantization Off: float16 where the model computes in float32, so byte
+  shares are against true 16 bits, as the Memory preference shows them);
 - KV bytes at the end of the text, and peak mlx memory (weights included);
 - prefill and decode tokens/s;
 - a loop check: 256 greedy tokens after the whole text, and the share of their
@@ -63,13 +64,13 @@ class Mode:
         )
 
 
-def default_modes(group_size: int = 64) -> list[Mode]:
+def default_modes(group_size: int = 64, off: KVScheme | None = None) -> list[Mode]:
+    """The rows, the reference first: what the app runs with quantization Off (`off`,
+    `ChatSession.kv_scheme`: float16 on the CPU path, whose model computes in float32;
+    None, mlx-lm's own KVCache in the model's type, elsewhere)."""
     g = group_size
     return [
-        # The reference is what the app runs with quantization Off: mlx-lm's own
-        # KVCache, in the model's type (float32 on the CPU path, where the
-        # weights are dequantized for OpenBLAS).
-        Mode("16-bit"),
+        Mode("16-bit", off),
         Mode("mlx-lm 8-bit", mlx_lm_bits=8, group_size=g),
         Mode("mlx-lm 4-bit", mlx_lm_bits=4, group_size=g),
         Mode("k8v8 sink+window", KVScheme(8, 8, g, sink=4, window=64)),
@@ -179,6 +180,14 @@ def as_dicts(rows: list[Row]) -> list[dict]:
     return [asdict(row) for row in rows]
 
 
+def off_scheme(loaded) -> KVScheme | None:
+    """How the app keeps this model's cache with quantization Off."""
+    from app.engine.chat import ChatSession
+    from app.engine.generation import KVSettings
+
+    return ChatSession(loaded).kv_scheme(KVSettings())
+
+
 def app_modes(rows: list[Row]) -> dict[str, str]:
     """The rows the Memory preference's 8-bit and 4-bit use."""
     names = {mode.scheme: mode.name for mode in default_modes() if mode.scheme is not None}
@@ -198,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
     tokens = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     if len(tokens) < args.tokens:
         raise SystemExit(f"the text has {len(tokens)} tokens, fewer than --tokens {args.tokens}")
-    modes = default_modes(args.group_size)
+    modes = default_modes(args.group_size, off_scheme(loaded))
     if args.modes:
         modes = [m for m in modes if m.name == "16-bit" or m.name in args.modes]
     rows = run(loaded.model, tokens[: args.tokens], modes, args.continuation)
