@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QListWidget,
     QMessageBox,
     QProgressBar,
+    QPushButton,
     QTextEdit,
     QWidget,
 )
@@ -185,6 +186,25 @@ def test_preferences_persist(qtbot, open_window):
     assert reopened.kv_bits.currentText() == "8-bit"
     reopened.kv_bits.setCurrentIndex(2)
     assert "cannot be used" in reopened.kv_warning.text()
+
+
+def test_clearing_caches_shows_the_space_it_freed(qtbot, open_window):
+    """Found on a new-user walk: after Clear caches the Storage tab still showed the
+    size from when it opened, and each chat said "nothing saved yet", as if its
+    messages were not."""
+    from app.ui.menus import preferences_dialog
+
+    window = open_window()
+    send(qtbot, window, "Tell me about penguins.", greedy_tokens=4)
+    qtbot.waitUntil(lambda: window.index.usage()[1] > 0, timeout=10_000)
+    dialog = preferences_dialog(window)
+    qtbot.addWidget(dialog)
+    assert not dialog.usage_label.text().startswith("0.0 MB")
+    clear = next(b for b in dialog.findChildren(QPushButton) if b.text() == "Clear caches")
+    qtbot.mouseClick(clear, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: dialog.usage_label.text().startswith("0.0 MB"), timeout=10_000)
+    window.refresh_sidebar()
+    assert "no cache saved" in window.sidebar.list.item(0).text()
 
 
 def test_the_window_cannot_write_the_database(qtbot, open_window):

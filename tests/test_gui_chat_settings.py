@@ -30,10 +30,12 @@ def test_the_header_says_what_differs_from_the_defaults(qtbot):
     chat = stored_chat("qwen", ChatOverrides(temperature=0.2, top_p=0.95, kv_bits=8))
     header.show(chat, "qwen", prefs, ["qwen"])
     # top_p 0.95 is the default's value: nothing to say about it.
-    assert header.label.text() == "qwen · Temperature 0.2 · 8-bit memory saving · No system prompt"
+    assert header.label.text() == (
+        "qwen · Temperature 0.2 · 8-bit memory saving · System prompt: the model's own"
+    )
     assert header.notice.isHidden() and header.settings.isEnabled()
     header.show(chat, "qwen", Preferences(temperature=0.2, kv_bits=8), ["qwen"])
-    assert header.label.text() == "qwen · No system prompt"  # the defaults caught up
+    assert header.label.text() == "qwen · System prompt: the model's own"  # the defaults caught up
     off = stored_chat("qwen", ChatOverrides(kv_bits=KV_OFF, max_tokens=200))
     header.show(off, "qwen", Preferences(kv_bits=4), ["qwen"])
     assert "Replies up to 200 tokens · Full precision (no memory saving)" in header.label.text()

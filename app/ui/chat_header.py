@@ -24,7 +24,7 @@ def header_text(
     elif default_prompt:
         prompt = f"System prompt (default): “{_preview(default_prompt)}”"
     else:
-        prompt = "No system prompt"
+        prompt = "System prompt: the model's own"  # its chat template may add one
     return " · ".join([*([model] if model else []), *changed, prompt])
 
 

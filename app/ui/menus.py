@@ -78,11 +78,19 @@ def on_this_chat(window: MainWindow, action: Callable[[int], None]) -> None:
 
 
 def open_preferences(window: MainWindow) -> None:
+    dialog = preferences_dialog(window)
+    if dialog.exec() and dialog.chosen is not None:
+        window.ask_to_save(dialog.chosen)
+
+
+def preferences_dialog(window: MainWindow) -> PreferencesDialog:
+    """The Preferences, wired to the window: Clear caches asks the worker, and the size
+    shown follows what the worker did."""
     device = "gpu" if window.models.compute.startswith("gpu") else "cpu"
     dialog = PreferencesDialog(window.preferences(), window.index.usage()[1], window, device)
     dialog.clear_caches_requested.connect(window.clear_caches_requested)
-    if dialog.exec() and dialog.chosen is not None:
-        window.ask_to_save(dialog.chosen)
+    dialog.follow_usage(window.engine.worker.changed, lambda: window.index.usage()[1])
+    return dialog
 
 
 def open_models(window: MainWindow) -> None:

@@ -7,10 +7,11 @@ saves it (the window never writes). Changes apply to the next turn.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from importlib.resources.abc import Traversable
 
-from PySide6.QtCore import QUrl, Signal
+from PySide6.QtCore import QUrl, Signal, SignalInstance, Slot
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (
     QComboBox,
@@ -116,6 +117,10 @@ def kv_tradeoffs(path: Traversable = KV_FIGURES["cpu"], device: str = "cpu") -> 
 GIB = 2**30
 
 
+def usage_text(usage: int) -> str:
+    return f"{usage / 1e6:.1f} MB in {paths.cache_dir() / 'kv'}"
+
+
 class PreferencesDialog(QDialog):
     clear_caches_requested = Signal()
 
@@ -201,7 +206,7 @@ class PreferencesDialog(QDialog):
         form = QFormLayout(page)
         self.budget = self._double(0.1, 10_000, 0.5, values["cache_budget_bytes"] / GIB)
         self.budget.setSuffix(" GiB")
-        self.usage_label = QLabel(f"{usage / 1e6:.1f} MB in {paths.cache_dir() / 'kv'}")
+        self.usage_label = QLabel(usage_text(usage))
         clear = QPushButton("Clear caches")
         clear.clicked.connect(self.clear_caches_requested)
         open_folder = QPushButton("Open cache folder")
@@ -221,6 +226,16 @@ class PreferencesDialog(QDialog):
         )
         form.addRow(row)
         return page
+
+    def follow_usage(self, changed: SignalInstance, usage: Callable[[], int]) -> None:
+        """Show the caches' size again whenever `changed` says the worker changed
+        something (Clear caches, from this dialog): not the size it had when opened."""
+        self._usage = usage
+        changed.connect(self._show_usage)
+
+    @Slot(int)
+    def _show_usage(self, _conversation_id: int = 0) -> None:
+        self.usage_label.setText(usage_text(self._usage()))
 
     def _appearance_tab(self, values: dict) -> QWidget:
         page = QWidget()

@@ -136,7 +136,7 @@ class ResultDelegate(QStyledItemDelegate):
 
 def describe_cache(info: dict | None) -> str:
     if not info or not info.get("bytes"):
-        return "nothing saved yet"
+        return "no cache saved"  # the chat's text is: this is its cache alone
     # "saved": the size on disk; the status bar says "in memory" for the other size.
     return f"saved {info['bytes'] / 1e6:.1f} MB, {info['tokens']:,} tokens"
 
