@@ -368,11 +368,28 @@ class ConversationStore:
                 "",
             ]
             if conversation.system_prompt:
-                lines += [f"> System: {conversation.system_prompt}", ""]
+                quoted = conversation.system_prompt.splitlines() or [""]
+                lines += [f"> System: {quoted[0]}", *(f"> {line}" for line in quoted[1:]), ""]
             for m in conversation.messages:
-                lines += [f"**{m.role.capitalize()}:**", "", m.content, ""]
+                lines += [f"**{m.role.capitalize()}:**", "", _markdown_body(m), ""]
             return "\n".join(lines)
         raise UserError(f"Unknown export format {fmt!r} (use markdown or json)")
+
+
+def _markdown_body(message: Message) -> str:
+    """A message's text as a Markdown export holds it: a code block a stopped reply
+    left open is closed (else every later message would read as code), and a reply
+    that did not finish says so, as the window does."""
+    text, fence = message.content, None
+    for line in text.splitlines():
+        mark = line.lstrip()[:3]
+        if mark in ("```", "~~~") and fence in (None, mark):
+            fence = None if fence else mark
+    if fence:
+        text += f"\n{fence}"
+    if message.state in ("cancelled", "failed"):
+        text += "\n\n*(stopped)*" if message.state == "cancelled" else "\n\n*(failed)*"
+    return text
 
 
 class ReplyWriter:

@@ -157,6 +157,25 @@ def test_export_markdown_and_json(store):
     assert data["system_prompt"] == "Be kind."
 
 
+def test_a_markdown_export_closes_what_a_stopped_reply_left_open(store):
+    """Found on a new-user walk: a reply stopped inside a code block made every later
+    message of the export read as code, and nothing said it had been stopped."""
+    c = store.create("m", system_prompt="Be kind.\nBe brief.")
+    q = store.add_message(c.id, "user", "Show me code")
+    cut = store.add_message(
+        c.id, "assistant", "Sure:\n```python\nfor i in range(", parent_id=q.id, state="cancelled"
+    )
+    again = store.add_message(c.id, "user", "Go on", parent_id=cut.id)
+    store.add_message(c.id, "assistant", "~~~\nrange(3))\n~~~\nDone.", parent_id=again.id)
+    lines = store.export(c.id, "markdown").splitlines()
+    assert lines[4:6] == ["> System: Be kind.", "> Be brief."]
+    stopped = lines.index("for i in range(")
+    assert lines[stopped + 1 : stopped + 4] == ["```", "", "*(stopped)*"]
+    finished = lines.index("Done.")
+    assert "*(stopped)*" not in lines[finished:]
+    assert lines.count("```") == 1 and lines.count("~~~") == 2  # a closed block stays as it was
+
+
 def test_reply_writer_commits_at_intervals_and_at_the_end(store, app_dirs):
     c = store.create("m")
     reply = store.add_message(c.id, "assistant", "", state="streaming")
