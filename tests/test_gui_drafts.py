@@ -97,3 +97,16 @@ def test_a_chat_being_replied_to_stays_on_screen_and_says_how_to_leave(qtbot, op
     wait_reply(qtbot, window)
     click_chat(qtbot, window, first)
     qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
+
+
+def test_a_chat_reopened_with_the_app_shows_its_latest_message(qtbot, open_window):
+    """As switching chats does (a new-user walk found it at its top after a restart)."""
+    window = open_window()
+    lines = "\n".join(f"Line {i} of a long list." for i in range(80))
+    send(qtbot, window, f"Count these lines:\n{lines}", greedy_tokens=4)
+    window.close()
+
+    again = open_window()
+    bar = again.chat.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0, timeout=10_000)
+    assert bar.value() == bar.maximum()

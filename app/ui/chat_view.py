@@ -20,6 +20,7 @@ from PySide6.QtGui import (
     QImage,
     QPainter,
     QPaintEvent,
+    QShowEvent,
     QTextCursor,
     QTextDocument,
 )
@@ -65,6 +66,9 @@ class ChatView(QTextBrowser):
         self._tail_start: int | None = None  # where the last message begins in the document
         self.colours = LIGHT_CHAT
         self.document().setDefaultStyleSheet(link_style(self.colours))
+        self._pinned = True  # the view shows the conversation's end (`_keep_pinned`)
+        self.verticalScrollBar().valueChanged.connect(self._note_pinned)
+        self.verticalScrollBar().rangeChanged.connect(self._keep_pinned)
 
     @Slot(object)
     def set_colours(self, colours: ChatColours) -> None:
@@ -145,6 +149,26 @@ class ChatView(QTextBrowser):
         # between two refreshes of a streaming reply.
         spent_ms = int((time.perf_counter() - started) * 1000)
         self._refresh.setInterval(max(_STREAM_REFRESH_MS, 2 * spent_ms))
+
+    @Slot(int)
+    def _note_pinned(self, value: int) -> None:
+        self._pinned = value >= self.verticalScrollBar().maximum() - 4
+
+    @Slot(int, int)
+    def _keep_pinned(self, _minimum: int, maximum: int) -> None:
+        """A conversation read at its end stays at its end as its text is laid out, which
+        Qt does a part at a time, and when the view changes size (a new-user walk found
+        a chat shown as the window opened at its top)."""
+        if self._pinned:
+            self.verticalScrollBar().setValue(maximum)
+
+    def showEvent(self, event: QShowEvent) -> None:
+        """Qt scrolls to the text cursor (the conversation's start) when the view is first
+        shown: a conversation shown at its end stays there."""
+        pinned = self._pinned
+        super().showEvent(event)
+        if pinned:
+            self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
 
     def paintEvent(self, event: QPaintEvent) -> None:
         """The text, then, with the keyboard focus, a ring at the edge and one around
