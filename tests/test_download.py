@@ -8,7 +8,7 @@ import pytest
 from hub_server import FakeHub
 
 from app.engine.chat import ChatSession
-from app.engine.download import DownloadCancelled, DownloadError, download_model
+from app.engine.download import DownloadCancelled, DownloadError, download_model, repo_id_of
 from app.engine.generation import SamplingSettings
 from app.engine.loading import load
 
@@ -81,3 +81,24 @@ def test_a_repo_without_mlx_weights_is_refused(tmp_path):
 def test_an_unreachable_hub_gets_a_clear_message(tmp_path):
     with pytest.raises(DownloadError, match="Could not reach the hub"):
         download_model("a/b", tmp_path / "models", endpoint="http://127.0.0.1:9")
+
+
+def test_a_name_the_hub_cannot_have_is_refused_before_asking_it(tmp_path):
+    """Found on a new-user walk: "not a repo!!" said "Could not reach the hub", with
+    the library's own words after it."""
+    for typed in ("not a repo!!", "a/b/c", "", "owner--x/model"):
+        with pytest.raises(DownloadError, match="is not a model's name on the hub: it looks"):
+            download_model(typed, tmp_path / "models", endpoint="http://127.0.0.1:9")
+
+
+def test_a_models_page_address_is_taken_for_its_name(hub_repo, tmp_path):
+    """What a user copies from the browser's address bar works as well as the name."""
+    assert repo_id_of(" https://huggingface.co/mlx-community/tiny/tree/main ") == (
+        "mlx-community/tiny"
+    )
+    assert repo_id_of("hf.co/mlx-community/tiny") == "mlx-community/tiny"
+    with FakeHub({"mlx-community/tiny": hub_repo}) as hub:
+        path = download_model(
+            "https://huggingface.co/mlx-community/tiny", tmp_path / "models", endpoint=hub.endpoint
+        )
+    assert path.name == "tiny" and (path / "config.json").exists()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, hf_hub_url
 from huggingface_hub.errors import RepositoryNotFoundError
-from huggingface_hub.utils import build_hf_headers
+from huggingface_hub.utils import HFValidationError, build_hf_headers, validate_repo_id
 
 from app.engine.errors import UserError
 from app.engine.models import staged_folder
@@ -62,6 +62,28 @@ def hub_endpoint() -> str | None:
     return os.environ.get("REPRISE_HF_ENDPOINT") or None
 
 
+# What a user may paste instead of the name: the model's page on the hub.
+_HUB_PAGES = ("https://huggingface.co/", "http://huggingface.co/", "huggingface.co/", "hf.co/")
+
+
+def repo_id_of(text: str) -> str:
+    """The hub's name of a model ("owner/name") from what the user typed: the name, or
+    the address of its page; a clear error for anything else, before the hub is asked."""
+    repo_id = text.strip()
+    for page in _HUB_PAGES:
+        if repo_id.lower().startswith(page):
+            repo_id = "/".join(repo_id[len(page) :].split("/")[:2])
+            break
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise DownloadError(
+            f"{text.strip()!r} is not a model's name on the hub: it looks like owner/name, "
+            "such as mlx-community/Qwen3-1.7B-4bit (letters, digits, '-', '_' and '.')"
+        ) from None
+    return repo_id
+
+
 def download_model(
     repo_id: str,
     models_dir: Path,
@@ -71,6 +93,7 @@ def download_model(
     should_cancel: Callable[[], bool] = lambda: False,
 ) -> Path:
     report = progress or (lambda done, total, file: None)
+    repo_id = repo_id_of(repo_id)
     name = name or repo_id.rsplit("/", 1)[-1]
     target = models_dir / name
     if target.exists():

@@ -122,7 +122,8 @@ class ModelsDialog(QDialog):
         repo, ok = QInputDialog.getText(
             self,
             "Download from Hugging Face",
-            "Repository (for example mlx-community/Qwen3-1.7B-4bit):",
+            "Model on the hub, by name or page address (for example "
+            "mlx-community/Qwen3-1.7B-4bit):",
         )
         if ok and repo.strip():
             self.start_download(repo.strip())
