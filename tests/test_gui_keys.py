@@ -223,3 +223,21 @@ def test_f1_opens_the_keyboard_shortcuts(qtbot, open_window):
     qtbot.keyClick(window.composer.edit, Qt.Key.Key_F1)
     qtbot.waitUntil(lambda: titles == ["Keyboard shortcuts"], timeout=5_000)
     assert "F1\tThis list" in shortcut_list(window)
+
+
+def test_letters_typed_in_the_conversation_go_to_the_message_box(qtbot, open_window):
+    """Found on a new-user walk: after a click on Regenerate the keyboard stayed in the
+    conversation, and what was typed next went nowhere."""
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=4)
+    window.chat.setFocus()
+    qtbot.waitUntil(window.chat.hasFocus, timeout=5_000)
+    qtbot.keyClicks(window.chat, "A")
+    assert window.composer.edit.hasFocus()
+    qtbot.keyClicks(QApplication.focusWidget(), "nd Bye")  # the keyboard's next keys
+    assert window.composer.edit.toPlainText() == "And Bye"
+    # The view's own keys stay its own: Tab walks its links, Ctrl+A selects its text.
+    window.chat.setFocus()
+    qtbot.keyClick(window.chat, Qt.Key.Key_A, Qt.KeyboardModifier.ControlModifier)
+    assert window.chat.hasFocus() and window.chat.textCursor().hasSelection()
+    assert window.composer.edit.toPlainText() == "And Bye"

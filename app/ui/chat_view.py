@@ -11,20 +11,21 @@ from __future__ import annotations
 import secrets
 import time
 
-from PySide6.QtCore import QRect, QTimer, QUrl, Signal, Slot
+from PySide6.QtCore import QRect, Qt, QTimer, QUrl, Signal, Slot
 from PySide6.QtGui import (
     QColor,
     QCursor,
     QDesktopServices,
     QGuiApplication,
     QImage,
+    QKeyEvent,
     QPainter,
     QPaintEvent,
     QShowEvent,
     QTextCursor,
     QTextDocument,
 )
-from PySide6.QtWidgets import QTextBrowser, QToolTip
+from PySide6.QtWidgets import QApplication, QTextBrowser, QToolTip, QWidget
 
 from app.ui.render import (
     LIGHT_CHAT,
@@ -66,6 +67,7 @@ class ChatView(QTextBrowser):
         self._tail_start: int | None = None  # where the last message begins in the document
         self.colours = LIGHT_CHAT
         self.document().setDefaultStyleSheet(link_style(self.colours))
+        self.type_into: QWidget | None = None  # where letters typed here go (`keyPressEvent`)
         self._pinned = True  # the view shows the conversation's end (`_keep_pinned`)
         self.verticalScrollBar().valueChanged.connect(self._note_pinned)
         self.verticalScrollBar().rangeChanged.connect(self._keep_pinned)
@@ -161,6 +163,19 @@ class ChatView(QTextBrowser):
         a chat shown as the window opened at its top)."""
         if self._pinned:
             self.verticalScrollBar().setValue(maximum)
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        """Letters typed while the conversation has the keyboard (after a click on one of
+        its links, say) go into the message box, which takes the keyboard: they were
+        lost (a new-user walk). Tab, Enter, Space and the shortcuts stay the view's."""
+        shift = Qt.KeyboardModifier.ShiftModifier | Qt.KeyboardModifier.KeypadModifier
+        text = event.text()
+        letters = text.isprintable() and bool(text.strip())
+        if self.type_into is not None and letters and not event.modifiers() & ~shift:
+            self.type_into.setFocus()
+            QApplication.sendEvent(self.type_into, event)
+            return
+        super().keyPressEvent(event)
 
     def showEvent(self, event: QShowEvent) -> None:
         """Qt scrolls to the text cursor (the conversation's start) when the view is first
