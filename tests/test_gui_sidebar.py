@@ -180,3 +180,18 @@ def test_a_count_or_restore_asked_for_a_chat_just_deleted_says_nothing(qtbot, op
     with qtbot.waitSignal(window.engine.worker.context_counted, timeout=10_000):
         window.context_requested.emit(0, "", 0)  # after the two: they have been served
     assert failed == []
+
+
+def test_a_search_that_finds_nothing_says_so(qtbot, open_window):
+    """Found on a new-user walk: an empty list, as if there were no chats at all."""
+    window = open_window()
+    send(qtbot, window, "Tell me about penguins.", greedy_tokens=4)
+    window.sidebar.search.setText("zebras")
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 0, timeout=10_000)
+    assert window.sidebar.no_matches.isVisible()
+    assert window.sidebar.no_matches.text() == "No message mentions “zebras”."
+    window.sidebar.search.setText("penguins")
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 1, timeout=10_000)
+    assert not window.sidebar.no_matches.isVisible()
+    window.sidebar.search.clear()
+    assert not window.sidebar.no_matches.isVisible()

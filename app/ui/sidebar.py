@@ -11,6 +11,7 @@ from datetime import date, datetime
 from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QSize, Qt, Signal
 from PySide6.QtGui import QAbstractTextDocumentLayout, QPainter, QPalette, QTextDocument
 from PySide6.QtWidgets import (
+    QLabel,
     QLineEdit,
     QListWidget,
     QListWidgetItem,
@@ -168,6 +169,10 @@ class Sidebar(QWidget):
         layout.setContentsMargins(6, 6, 6, 6)
         layout.addWidget(self.new_button)
         layout.addWidget(self.search)
+        self.no_matches = QLabel()  # a search that found nothing says so
+        self.no_matches.setWordWrap(True)
+        self.no_matches.hide()
+        layout.addWidget(self.no_matches)
         layout.addWidget(self.list)
         self.setMinimumWidth(220)
         self.new_button.clicked.connect(self.new_requested)
@@ -224,6 +229,9 @@ class Sidebar(QWidget):
             if conversation_id == current and not entry.elsewhere:
                 self.list.setCurrentItem(item)
         self.list.blockSignals(False)
+        query = self.search.text().strip()
+        self.no_matches.setText(f"No message mentions “{query}”." if query else "")
+        self.no_matches.setVisible(bool(query) and not entries)
 
     def select(self, conversation_id: int | None) -> None:
         """Highlight the chat on view (none for a new chat), without asking to show it."""
