@@ -60,6 +60,26 @@ def test_a_chunk_file_holds_one_tensor_per_part_for_all_its_layers(tiny_model, b
 
 
 @pytest.mark.parametrize("bits", SCHEMES.values(), ids=SCHEMES.keys())
+def test_a_save_that_copies_each_tensor_first_writes_the_same_bytes(tiny_model, bits, monkeypatch):
+    """Where the GPU has memory of its own, a save copies each tensor on the device
+    before the host reads it (`stored_arrays.to_numpy`: a view would take its layer's
+    whole buffer into managed memory). That path, run here on the CPU, writes the very
+    bytes the direct one does."""
+    from app.engine import codecs, stored_arrays
+
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    turn(engine, conversation.id, TEXTS[0], options(bits))
+    cache, end = engine.session.cache, len(engine.session.tokens)
+    direct = codecs.chunk_tensors(cache, 3, end - 2)
+    monkeypatch.setattr(stored_arrays, "device_apart", lambda: True)
+    copied = codecs.chunk_tensors(cache, 3, end - 2)
+    assert direct.keys() == copied.keys() and direct
+    for name, array in direct.items():
+        assert array.dtype == copied[name].dtype and np.array_equal(array, copied[name])
+
+
+@pytest.mark.parametrize("bits", SCHEMES.values(), ids=SCHEMES.keys())
 @pytest.mark.parametrize("old", ["every chunk", "the first chunks"])
 def test_chunk_files_of_format_3_still_reopen_bit_for_bit(tiny_model, bits, old):
     conversation_id = saved(tiny_model, bits)
