@@ -68,3 +68,32 @@ def test_the_streaming_mark_ends_the_last_line_of_text(qtbot):
     reply.state = "complete"
     view.redraw_last()
     assert "▍" not in view.toPlainText()
+
+
+def test_opening_a_reasoning_fold_keeps_the_reader_where_they_were(qtbot):
+    """Found on a new-user walk: Show jumped the view to the conversation's end, so the
+    reasoning it opened was out of sight."""
+    from PySide6.QtCore import QUrl
+
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.resize(600, 300)
+    view.show()
+    long = "\n\n".join(f"Paragraph {i} of a long answer." for i in range(40))
+    view.show_messages(
+        [
+            RenderedMessage(1, "user", "Think first."),
+            RenderedMessage(2, "assistant", f"<think>Step one, step two.</think>{long}"),
+            RenderedMessage(3, "user", "More?"),
+            RenderedMessage(4, "assistant", long),
+        ]
+    )
+    bar = view.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0 and bar.value() == bar.maximum(), timeout=5_000)
+    reading = bar.maximum() // 3
+    bar.setValue(reading)  # the reader went up, to the first answer
+    assert "Step one" not in view.toPlainText()
+    view.anchorClicked.emit(QUrl(f"action:{view._token}:think:2"))
+    assert "Step one" in view.toPlainText()
+    qtbot.wait(50)  # the rest of the layout, a part at a time
+    assert bar.value() == reading

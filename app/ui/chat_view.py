@@ -80,6 +80,10 @@ class ChatView(QTextBrowser):
             return
         self.colours = colours
         self.document().setDefaultStyleSheet(link_style(colours))
+        self._render_in_place()
+
+    def _render_in_place(self) -> None:
+        """Draw the conversation again where the reader is, not at its end."""
         bar = self.verticalScrollBar()
         position = bar.value()
         self.render()
@@ -249,9 +253,9 @@ class ChatView(QTextBrowser):
             blocks = code_blocks((thinking if section == "think" else answer) or "")
             if number.isdigit() and int(number) < len(blocks):
                 QGuiApplication.clipboard().setText(blocks[int(number)])
-        elif verb == "think":
+        elif verb == "think":  # the fold opens or closes below its link, in view
             self._thinking_open ^= {message_id}
-            self.render()
+            self._render_in_place()
         else:
             self.action.emit(verb, message_id)
 
