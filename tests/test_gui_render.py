@@ -97,3 +97,16 @@ def test_opening_a_reasoning_fold_keeps_the_reader_where_they_were(qtbot):
     assert "Step one" in view.toPlainText()
     qtbot.wait(50)  # the rest of the layout, a part at a time
     assert bar.value() == reading
+
+
+def test_think_tags_the_user_typed_are_shown_as_typed(qtbot):
+    """Found on a new-user walk: a user's own "<think>…</think>" was taken out of its
+    place and folded away as if it were the model's reasoning."""
+    view = ChatView()
+    qtbot.addWidget(view)
+    typed = "Before <think>my own words</think> after"
+    reply = RenderedMessage(2, "assistant", "<think>mine</think>Hi")
+    view.show_messages([RenderedMessage(1, "user", typed), reply])
+    text = view.toPlainText()
+    assert typed in text
+    assert text.count("Reasoning") == 1 and "mine" not in text  # the reply's stays folded

@@ -36,7 +36,7 @@ from app.ui.render import (
     is_web_url,
     link_style,
     message_html,
-    split_thinking,
+    reasoning_and_answer,
 )
 from app.ui.theme import draw_ring
 
@@ -246,10 +246,10 @@ class ChatView(QTextBrowser):
         message_id = int(arg)
         message = self._message(message_id)
         if verb == "copy-msg" and message:
-            QGuiApplication.clipboard().setText(split_thinking(message.content)[1])
+            QGuiApplication.clipboard().setText(reasoning_and_answer(message)[1])
         elif verb == "copy-code" and message:
             section, _, number = extra.partition(".")
-            thinking, answer = split_thinking(message.content)
+            thinking, answer = reasoning_and_answer(message)
             blocks = code_blocks((thinking if section == "think" else answer) or "")
             if number.isdigit() and int(number) < len(blocks):
                 QGuiApplication.clipboard().setText(blocks[int(number)])

@@ -89,6 +89,14 @@ class RenderedMessage:
         return self.role == "assistant" and self.is_last and unfinished
 
 
+def reasoning_and_answer(message: RenderedMessage) -> tuple[str | None, str]:
+    """A reply's reasoning and answer (`split_thinking`); what the user typed is all
+    answer, shown as typed, tags and all: reasoning is the model's own."""
+    if message.role == "assistant":
+        return split_thinking(message.content)
+    return None, message.content
+
+
 def split_thinking(text: str) -> tuple[str | None, str]:
     """(reasoning, answer) from a reply that may open with <think>…</think>."""
     match = _THINK.search(text)
@@ -315,7 +323,7 @@ def message_html(
     def link(verb: str, label: str, message_id: int = message.id) -> str:
         return f'<a href="{action_href(token, verb, message_id)}">{label}</a>'
 
-    thinking, answer = split_thinking(message.content)
+    thinking, answer = reasoning_and_answer(message)
     streaming = message.state == "streaming"
     mark = f'<span style="color:{colours.muted}">▍</span>'  # where the reply goes on
     parts = []
