@@ -121,14 +121,22 @@ def test_the_shortcuts_are_a_table_of_keys_and_what_they_do(qtbot, open_window):
     assert keys_width > longest
 
 
-def test_f2_renames_the_chat_on_screen_without_the_mouse(qtbot, open_window, monkeypatch):
+def test_f2_renames_the_chat_on_screen_without_the_mouse(qtbot, open_window):
     window = active(qtbot, open_window())
     send(qtbot, window, "Hello", greedy_tokens=3)
-    monkeypatch.setattr(QInputDialog, "getText", lambda *args, **kw: ("Greetings", True))
+    widths = []
+
+    def rename(box: QInputDialog) -> None:
+        widths.append(box.width() / box.fontMetrics().averageCharWidth())
+        box.setTextValue("Greetings")
+        box.accept()
+
+    when_a_box_opens(rename, title="Rename")
     qtbot.keyClick(window.composer.edit, Qt.Key.Key_F2)
     qtbot.waitUntil(
         lambda: window.store.get(window.conversation_id).title == "Greetings", timeout=5_000
     )
+    assert widths[0] >= 40  # a title shows whole (a new-user walk found about 20 characters)
     assert "F2\tRename this chat" in shortcut_list(window)
     assert "Ctrl+Shift+D\tDelete this chat" in shortcut_list(window)
 

@@ -19,11 +19,21 @@ from PySide6.QtWidgets import (
 
 from app.ui.reading import export_name
 
+# Characters of a title the Rename box shows at once (Qt's default showed about 20).
+TITLE_CHARACTERS = 50
+
 
 def new_title(parent: QWidget, current: str) -> str | None:
     """A new title for a chat; None when cancelled or blank."""
-    title, ok = QInputDialog.getText(parent, "Rename", "Title:", text=current)
-    return title if ok and title.strip() else None
+    dialog = QInputDialog(parent)
+    dialog.setWindowTitle("Rename")
+    dialog.setLabelText("Title:")
+    dialog.setTextValue(current)
+    dialog.resize(dialog.fontMetrics().averageCharWidth() * TITLE_CHARACTERS, 0)
+    if not dialog.exec():
+        return None
+    title = dialog.textValue()
+    return title if title.strip() else None
 
 
 def confirm_delete(parent: QWidget, title: str) -> bool:
