@@ -96,7 +96,7 @@ def test_regenerate_and_edit_make_branches(qtbot, open_window, monkeypatch):
     window.composer.edit.setPlainText("a draft")
     window.turns.on_chat_action("edit", user)
     assert window.composer.edit.toPlainText() == "Name a colour."
-    assert window.composer.banner.isVisibleTo(window) and window.composer.button.text() == "Save"
+    assert window.composer.banner.isVisibleTo(window) and window.composer.button.text() == "Send"
     window.composer.edit.setPlainText("Name a fruit.")
     window.composer.edit.submitted.emit()  # what Enter does
     streaming = window.chat.toPlainText()

@@ -50,7 +50,7 @@ class Composer(QWidget):
 
     def set_generating(self, generating: bool) -> None:
         self.generating = generating
-        self.button.setText("Stop" if generating else "Save" if self.editing else "Send")
+        self.button.setText("Stop" if generating else "Send")
         if not generating and self.button.hasFocus():  # a click on Stop left it there
             self.edit.setFocus()
 
@@ -63,7 +63,6 @@ class Composer(QWidget):
         self.edit.moveCursor(QTextCursor.MoveOperation.End)
         self.edit.setFocus()
         self.banner.show()
-        self.button.setText("Save")
 
     def cancel_edit(self) -> None:
         if self.editing is None:
@@ -71,7 +70,6 @@ class Composer(QWidget):
         self.editing = None
         self.edit.setPlainText(self._draft)
         self.banner.hide()
-        self.button.setText("Send")
 
     def draft(self) -> str:
         """What the user typed and has not sent (during an edit, what waits for it)."""
