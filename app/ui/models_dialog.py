@@ -37,7 +37,8 @@ class ModelsDialog(QDialog):
         self.setWindowTitle("Models")
         self.resize(820, 560)
         self.table = QTreeWidget()
-        self.table.setHeaderLabels(["Name", "Architecture", "Weights", "Source"])
+        # The weights' account, the longest, last: the columns before it stay in view.
+        self.table.setHeaderLabels(["Name", "Architecture", "Source", "Weights"])
         self.table.setRootIsDecorated(False)
         self.found = FoundList()
         self.progress = QProgressBar()
@@ -89,10 +90,11 @@ class ModelsDialog(QDialog):
         self.table.clear()
         for m in models.list_models(paths.models_dir()):
             shown = f"{m.name} (in use)" if m.name == self.in_use else m.name
-            item = QTreeWidgetItem([shown, m.architecture, m.weights, m.source])
+            item = QTreeWidgetItem([shown, m.architecture, m.source, m.weights])
             item.setData(0, Qt.ItemDataRole.UserRole, m.name)
+            item.setToolTip(3, m.weights)  # whole, where the column cuts it
             if m.in_place:
-                item.setToolTip(3, f"Used in place from {m.in_place}; Delete removes only the link")
+                item.setToolTip(2, f"Used in place from {m.in_place}; Delete removes only the link")
             self.table.addTopLevelItem(item)
         for column in range(self.table.columnCount() - 1):
             self.table.resizeColumnToContents(column)
