@@ -13,6 +13,7 @@ exceptions), and every storage failure in a store method becomes a clear
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -376,20 +377,40 @@ class ConversationStore:
         raise UserError(f"Unknown export format {fmt!r} (use markdown or json)")
 
 
+_UNFINISHED = {"cancelled": "*(stopped)*", "interrupted": "*(stopped)*", "failed": "*(failed)*"}
+# A code fence as CommonMark reads one: up to 3 spaces, then 3 or more ` or ~.
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+
+
 def _markdown_body(message: Message) -> str:
     """A message's text as a Markdown export holds it: a code block a stopped reply
     left open is closed (else every later message would read as code), and a reply
     that did not finish says so, as the window does."""
-    text, fence = message.content, None
-    for line in text.splitlines():
-        mark = line.lstrip()[:3]
-        if mark in ("```", "~~~") and fence in (None, mark):
-            fence = None if fence else mark
+    text = message.content
+    fence = _open_fence(text)
     if fence:
         text += f"\n{fence}"
-    if message.state in ("cancelled", "failed"):
-        text += "\n\n*(stopped)*" if message.state == "cancelled" else "\n\n*(failed)*"
+    if message.state in _UNFINISHED:
+        text += f"\n\n{_UNFINISHED[message.state]}"
     return text
+
+
+def _open_fence(text: str) -> str | None:
+    """The fence of a code block `text` leaves open, None if none is: an opening fence
+    of backticks has no backtick after it; a closing one is of its character, at least
+    as long, with nothing after it."""
+    fence = None
+    for line in text.splitlines():
+        found = _FENCE.match(line)
+        if found is None:
+            continue
+        run, rest = found.groups()
+        if fence is None:
+            if not (run[0] == "`" and "`" in rest):
+                fence = run
+        elif run[0] == fence[0] and len(run) >= len(fence) and not rest.strip():
+            fence = None
+    return fence
 
 
 class ReplyWriter:

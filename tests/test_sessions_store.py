@@ -176,6 +176,35 @@ def test_a_markdown_export_closes_what_a_stopped_reply_left_open(store):
     assert lines.count("```") == 1 and lines.count("~~~") == 2  # a closed block stays as it was
 
 
+@pytest.mark.parametrize(
+    ("reply", "state"),
+    [
+        ("Here:\n```python\nx = 1", "cancelled"),  # stopped inside a block
+        ("Here:\n````\nsome ``` code", "interrupted"),  # a longer fence, then a kill
+        ("~~~\n```\nstill code", "failed"),
+        ("```ls -la``` lists the files.", "complete"),  # inline code, not a fence
+        ("```\n```js is how you start\n```", "complete"),  # not a closing fence
+        ("Plain text.", "complete"),
+    ],
+)
+def test_no_later_message_of_an_export_reads_as_code(store, reply, state):
+    """Read by a CommonMark parser, as any Markdown viewer would (an adversarial review
+    of the fix above found complete replies it broke)."""
+    from markdown_it import MarkdownIt
+
+    c = store.create("m")
+    q = store.add_message(c.id, "user", "Question")
+    a = store.add_message(c.id, "assistant", reply, parent_id=q.id, state=state)
+    store.add_message(c.id, "user", "The next question", parent_id=a.id)
+    tokens = MarkdownIt("commonmark").parse(store.export(c.id, "markdown"))
+    code = [t.content for t in tokens if t.type in ("fence", "code_block")]
+    assert not any("The next question" in block for block in code)
+    shown = [t.content for t in tokens if t.type == "inline"]
+    marks = "\n".join(shown)
+    assert ("(stopped)" in marks) == (state in ("cancelled", "interrupted"))
+    assert ("(failed)" in marks) == (state == "failed")
+
+
 def test_reply_writer_commits_at_intervals_and_at_the_end(store, app_dirs):
     c = store.create("m")
     reply = store.add_message(c.id, "assistant", "", state="streaming")
