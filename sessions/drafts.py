@@ -26,55 +26,71 @@ class Drafts:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._texts = _read(path)
+        self._texts = _read(path)  # as read at the start, and kept since
 
     def get(self, conversation_id: int) -> str:
         return self._texts.get(conversation_id, "")
 
     def put(self, conversation_id: int, text: str) -> None:
-        """Keep `text` as the chat's draft ("" or only spaces: it has none); written at once."""
-        text = text[:MAX_DRAFT]
-        if text.strip():
-            changed = self._texts.get(conversation_id) != text
-            self._texts[conversation_id] = text
-        else:
-            changed = self._texts.pop(conversation_id, None) is not None
-        if changed:
-            self._write()
+        """Keep `text` as the chat's draft ("" or only spaces: it has none); written at
+        once, into what the file holds now (another window's drafts stay)."""
+        self._change(lambda texts: _set(texts, conversation_id, text[:MAX_DRAFT]))
 
     def keep_only(self, conversation_ids: set[int]) -> None:
         """Drop the drafts of chats that are gone (deleted), keeping a new chat's."""
-        gone = [i for i in self._texts if i and i not in conversation_ids]
-        for i in gone:
-            del self._texts[i]
-        if gone:
-            self._write()
 
-    def _write(self) -> None:
+        def prune(texts: dict[int, str]) -> None:
+            for i in [i for i in texts if i and i not in conversation_ids]:
+                del texts[i]
+
+        self._change(prune)
+
+    def _change(self, change) -> None:
+        before = dict(self._texts)
+        change(self._texts)
+        if self._texts == before:
+            return
+        on_disk = _read(self.path)
+        change(on_disk)
+        self._write(on_disk)
+
+    def _write(self, texts: dict[int, str]) -> None:
         """Atomically: a crash mid-write leaves the previous file, never half of one. A
         write that fails (a full disk, a read-only folder) keeps the drafts in memory."""
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        data = {str(i): text for i, text in self._texts.items()}
+        # ASCII JSON: any str goes, a lone surrogate from a paste too.
+        data = json.dumps({str(i): text for i, text in texts.items()})
         try:
-            tmp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+            tmp.write_text(data, encoding="ascii")
             os.replace(tmp, self.path)
         except OSError:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
 
 
+def _set(texts: dict[int, str], conversation_id: int, text: str) -> None:
+    if text.strip():
+        texts[conversation_id] = text
+    else:
+        texts.pop(conversation_id, None)
+
+
+# The longest conversation id read back: SQLite's row ids are 64-bit.
+_ID_DIGITS = 19
+
+
 def _read(path: Path) -> dict[int, str]:
     """The drafts in `path`; entries of the wrong shape are skipped, a damaged file is none."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(data, dict):
         return {}
     texts = {}
     for key, text in data.items():
-        if isinstance(key, str) and key.isascii() and key.isdigit() and isinstance(text, str):
-            if not text.strip():
-                continue
+        if not (key.isascii() and key.isdigit() and len(key) <= _ID_DIGITS):
+            continue
+        if isinstance(text, str) and text.strip():
             texts[int(key)] = text[:MAX_DRAFT]
     return texts

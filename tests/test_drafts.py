@@ -64,3 +64,38 @@ def test_a_pasted_file_is_kept_up_to_the_limit(tmp_path):
     path = tmp_path / "drafts.json"
     Drafts(path).put(1, "x" * (MAX_DRAFT + 10))
     assert len(Drafts(path).get(1)) == MAX_DRAFT
+
+
+def test_a_file_no_json_reader_survives_is_no_drafts(tmp_path):
+    """An adversarial review's files: nested past Python's recursion limit, and an id of
+    thousands of digits (int() refuses it)."""
+    path = tmp_path / "drafts.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert Drafts(path).get(1) == ""
+    path.write_text(json.dumps({"9" * 5000: "huge id", "7": "kept"}))
+    assert Drafts(path).get(7) == "kept"
+
+
+def test_any_text_a_paste_can_hold_is_kept(tmp_path):
+    """A lone surrogate (from a broken paste) once made every later write fail."""
+    path = tmp_path / "drafts.json"
+    drafts = Drafts(path)
+    drafts.put(1, "half an emoji \ud83d and more")
+    drafts.put(2, "café, 東京")
+    again = Drafts(path)
+    assert again.get(1) == "half an emoji \ud83d and more" and again.get(2) == "café, 東京"
+
+
+def test_two_windows_keep_each_others_drafts(tmp_path):
+    path = tmp_path / "drafts.json"
+    first, second = Drafts(path), Drafts(path)
+    first.put(1, "typed in the first window")
+    second.put(2, "typed in the second window")
+    first.put(3, "and more in the first")
+    second.keep_only({1, 2, 3})
+    again = Drafts(path)
+    assert [again.get(i) for i in (1, 2, 3)] == [
+        "typed in the first window",
+        "typed in the second window",
+        "and more in the first",
+    ]

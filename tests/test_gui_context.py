@@ -68,6 +68,9 @@ def test_a_message_that_overflows_the_chat_goes_to_a_new_one(qtbot, open_window)
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=16)
     first = window.conversation_id
+    window.new_chat()
+    window.composer.edit.setPlainText("an idea for a new chat")
+    window.show_conversation(first)  # typed in a new chat, then left for now
     window.composer.edit.setPlainText(WORDS)
     use = wait_meter(qtbot, window, WORDS)
     # A context the chat nearly fills, the draft alone does not.
@@ -84,6 +87,11 @@ def test_a_message_that_overflows_the_chat_goes_to_a_new_one(qtbot, open_window)
     qtbot.waitUntil(lambda: window.chat.messages[-1].id > 0, timeout=READY_MS)
     assert window.chat.messages[0].content == WORDS
     assert len(window.store.get(first).messages) == 2  # the first chat as it was
+    # Neither draft went with it: the first chat has none, a new chat has its own.
+    window.new_chat()
+    assert window.composer.edit.toPlainText() == "an idea for a new chat"
+    window.show_conversation(first)
+    assert window.composer.edit.toPlainText() == ""
 
 
 def test_while_editing_the_meter_counts_the_chat_before_the_edited_message(

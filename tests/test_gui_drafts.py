@@ -6,8 +6,9 @@ the list's highlight and did nothing else.)"""
 
 from __future__ import annotations
 
-from gui_window import send, start_long_reply, wait_reply
+from gui_window import send, start_long_reply, wait_reply, when_a_box_opens
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QMessageBox
 
 
 def click_chat(qtbot, window, conversation_id):
@@ -110,3 +111,39 @@ def test_a_chat_reopened_with_the_app_shows_its_latest_message(qtbot, open_windo
     bar = again.chat.verticalScrollBar()
     qtbot.waitUntil(lambda: bar.maximum() > 0, timeout=10_000)
     assert bar.value() == bar.maximum()
+
+
+def test_a_chat_sent_to_stays_on_screen_before_its_reply_starts(qtbot, open_window):
+    """The worker may not have begun (it may still be loading the model): a click on
+    another chat then switched, the reply came into the chat on screen and the draft
+    typed there was filed under the new chat (an adversarial review)."""
+    window = open_window()
+    first, second = two_chats(qtbot, window)
+    window.new_chat()
+    window.composer.edit.setPlainText("Tell me about geese.")
+    window.composer.edit.submitted.emit()  # no events run between this and the click
+    click_chat(qtbot, window, first)
+    assert window.conversation_id is None  # the new chat, still
+    qtbot.keyClicks(window.composer.edit, "and ducks?")
+    wait_reply(qtbot, window)
+    third = window.conversation_id
+    assert third not in (None, first, second)
+    click_chat(qtbot, window, first)
+    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
+    assert window.composer.edit.toPlainText() == ""
+    click_chat(qtbot, window, third)
+    qtbot.waitUntil(lambda: window.conversation_id == third, timeout=10_000)
+    assert window.composer.edit.toPlainText() == "and ducks?"
+
+
+def test_a_deleted_chats_draft_goes_with_it(qtbot, open_window):
+    window = open_window()
+    _, second = two_chats(qtbot, window)
+    qtbot.keyClicks(window.composer.edit, "never sent")
+    when_a_box_opens(lambda box: box.button(QMessageBox.StandardButton.Yes).click())
+    window.delete(second)
+    qtbot.waitUntil(lambda: window.conversation_id is None, timeout=10_000)
+    assert window.composer.edit.toPlainText() == ""
+    assert window.drafts.drafts.get(second) == ""
+    window.close()
+    assert open_window().composer.edit.toPlainText() == ""  # the first chat's: none

@@ -40,6 +40,12 @@ class DraftKeeper(QObject):
         """Drop the drafts of chats no longer in `conversation_ids` (deleted)."""
         self.drafts.keep_only(conversation_ids)
 
+    def drop(self, conversation_id: int) -> None:
+        """A chat being deleted: its draft goes with it (its id may be a new chat's next)."""
+        self.drafts.put(conversation_id, "")
+        if self.showing == conversation_id:
+            self.showing = None  # nothing to keep when the window moves on
+
     def started(self, conversation_id: int) -> None:
         """The new chat on screen got its id: what is typed now is its draft."""
         self.showing = conversation_id

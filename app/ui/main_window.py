@@ -333,6 +333,12 @@ class MainWindow(QMainWindow):
         self.refresh_sidebar()
         self._show_header()
 
+    def expect_reply(self) -> None:
+        """A turn was asked for: from now, not from when the worker starts it (it may be
+        loading the model), the reply's chat stays on screen, and what is typed is its
+        draft. The worker's `busy_changed` ends it, as every turn it runs says False."""
+        self.generating = True
+
     @Slot(bool)
     def on_busy(self, busy: bool) -> None:
         self.generating = busy
@@ -395,6 +401,7 @@ class MainWindow(QMainWindow):
     @Slot(int)
     def delete(self, conversation_id: int) -> None:
         if asking.confirm_delete(self, self.store.get(conversation_id).title):
+            self.drafts.drop(conversation_id)
             self.delete_requested.emit(conversation_id)
 
     @Slot(int, str)

@@ -33,13 +33,16 @@ class TurnFlow(QObject):
 
     @Slot()
     def send_in_new_chat(self) -> None:
-        """The draft, too long for this chat, sent as a new chat's first message."""
-        composer = self.window.composer
+        """The draft, too long for this chat, sent as a new chat's first message; what
+        was typed for a new chat before waits for the next one."""
+        composer, drafts = self.window.composer, self.window.drafts
         text = composer.edit.toPlainText()
         composer.edit.clear()  # it leaves this chat: no draft is kept here
         self.window.show_conversation(None)
+        waiting = composer.draft()
         composer.edit.setPlainText(text)
         composer.send()
+        drafts.drafts.put(NEW_CONVERSATION, waiting)
 
     def regenerate(self) -> None:
         w = self.window
@@ -55,6 +58,7 @@ class TurnFlow(QObject):
         last = w.chat.messages[-1] if w.chat.messages else None
         if last is None or last.id != message_id:
             return
+        w.expect_reply()
         last.state, last.cut = "streaming", False
         w.chat.redraw_last(scroll_to_end=True)
         w.status.begin()
@@ -82,6 +86,7 @@ class TurnFlow(QObject):
     def start(self, text: str = "", before: int | None = None) -> None:
         """A reply to `text` (in place of message `before`) is coming: show its place."""
         w = self.window
+        w.expect_reply()
         w.chat.append_streaming(RenderedMessage(-2, "assistant", "", state="streaming"))
         w.status.begin()
         self._count(text, before)
