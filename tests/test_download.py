@@ -97,6 +97,21 @@ def test_a_models_page_address_is_taken_for_its_name(hub_repo, tmp_path):
         "mlx-community/tiny"
     )
     assert repo_id_of("hf.co/mlx-community/tiny") == "mlx-community/tiny"
+    for address in (
+        "https://huggingface.co/mlx-community/tiny?library=mlx",
+        "https://hf.co/mlx-community/tiny#files",
+        "HTTPS://www.HuggingFace.co/mlx-community/tiny/",
+    ):
+        assert repo_id_of(address) == "mlx-community/tiny", address
+    for other, what in (
+        ("https://huggingface.co/datasets/owner/name", "a dataset"),
+        ("hf.co/spaces/owner/name", "a Space"),
+    ):
+        with pytest.raises(DownloadError, match=f"is {what}, not a model"):
+            repo_id_of(other)
+    with pytest.raises(DownloadError) as refused:
+        repo_id_of("x" * 5000 + "!")
+    assert len(str(refused.value)) < 300  # a paste is not repeated whole
     with FakeHub({"mlx-community/tiny": hub_repo}) as hub:
         path = download_model(
             "https://huggingface.co/mlx-community/tiny", tmp_path / "models", endpoint=hub.endpoint

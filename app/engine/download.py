@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -62,23 +63,29 @@ def hub_endpoint() -> str | None:
     return os.environ.get("REPRISE_HF_ENDPOINT") or None
 
 
-# What a user may paste instead of the name: the model's page on the hub.
-_HUB_PAGES = ("https://huggingface.co/", "http://huggingface.co/", "huggingface.co/", "hf.co/")
+# What a user may paste instead of the name: the address of the model's page.
+_HUB_PAGE = re.compile(r"^(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/([^?#]*)", re.I)
+_NOT_MODELS = {"datasets": "a dataset", "spaces": "a Space"}  # pages of other things
+QUOTED = 60  # characters of what was typed that an error repeats
 
 
 def repo_id_of(text: str) -> str:
     """The hub's name of a model ("owner/name") from what the user typed: the name, or
     the address of its page; a clear error for anything else, before the hub is asked."""
-    repo_id = text.strip()
-    for page in _HUB_PAGES:
-        if repo_id.lower().startswith(page):
-            repo_id = "/".join(repo_id[len(page) :].split("/")[:2])
-            break
+    typed = text.strip()
+    shown = typed if len(typed) <= QUOTED else typed[: QUOTED - 1] + "…"
+    repo_id = typed
+    page = _HUB_PAGE.match(typed)
+    if page:
+        parts = [part for part in page.group(1).split("/") if part]
+        if parts and parts[0] in _NOT_MODELS:
+            raise DownloadError(f"{shown!r} is {_NOT_MODELS[parts[0]]}, not a model")
+        repo_id = "/".join(parts[:2])
     try:
         validate_repo_id(repo_id)
     except HFValidationError:
         raise DownloadError(
-            f"{text.strip()!r} is not a model's name on the hub: it looks like owner/name, "
+            f"{shown!r} is not a model's name on the hub: it looks like owner/name, "
             "such as mlx-community/Qwen3-1.7B-4bit (letters, digits, '-', '_' and '.')"
         ) from None
     return repo_id
