@@ -147,3 +147,20 @@ def test_a_deleted_chats_draft_goes_with_it(qtbot, open_window):
     assert window.drafts.drafts.get(second) == ""
     window.close()
     assert open_window().composer.edit.toPlainText() == ""  # the first chat's: none
+
+
+def test_a_reader_scrolled_up_stays_there_when_the_reply_ends(qtbot, open_window):
+    """An adversarial review: the finished reply's redraw took them to the end."""
+    window = open_window()
+    send(qtbot, window, "\n".join(f"Line {i} of a long list." for i in range(60)), 4)
+    start_long_reply(qtbot, window)
+    bar = window.chat.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 200, timeout=10_000)
+    bar.setValue(100)  # reading the list again
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
+    wait_reply(qtbot, window)
+    qtbot.wait(50)
+    assert bar.value() == 100
+    bar.setValue(bar.maximum())  # and one who reads at the end is kept there
+    send(qtbot, window, "Thanks.", greedy_tokens=4)
+    qtbot.waitUntil(lambda: bar.value() == bar.maximum(), timeout=5_000)

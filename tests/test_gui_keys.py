@@ -244,8 +244,12 @@ def test_letters_typed_in_the_conversation_go_to_the_message_box(qtbot, open_win
     assert window.composer.edit.hasFocus()
     qtbot.keyClicks(QApplication.focusWidget(), "nd Bye")  # the keyboard's next keys
     assert window.composer.edit.toPlainText() == "And Bye"
+    window.chat.setFocus()
+    qtbot.waitUntil(window.chat.hasFocus, timeout=5_000)
+    qtbot.keyClick(window.chat, "@", Qt.KeyboardModifier.GroupSwitchModifier)  # AltGr
+    assert window.composer.edit.toPlainText() == "And Bye@"
     # The view's own keys stay its own: Tab walks its links, Ctrl+A selects its text.
     window.chat.setFocus()
     qtbot.keyClick(window.chat, Qt.Key.Key_A, Qt.KeyboardModifier.ControlModifier)
     assert window.chat.hasFocus() and window.chat.textCursor().hasSelection()
-    assert window.composer.edit.toPlainText() == "And Bye"
+    assert window.composer.edit.toPlainText() == "And Bye@"

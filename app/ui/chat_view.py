@@ -93,6 +93,15 @@ class ChatView(QTextBrowser):
         self.messages = messages
         self.render(scroll_to_end=True)
 
+    def update_messages(self, messages: list[RenderedMessage]) -> None:
+        """The same conversation, changed (a reply finished): a reader at its end stays
+        at its end, one reading further up stays where they are."""
+        self.messages = messages
+        if self._pinned:
+            self.render(scroll_to_end=True)
+        else:
+            self._render_in_place()
+
     def append_streaming(self, message: RenderedMessage) -> None:
         """Add a message at the end; only the one before it is drawn again (it stops
         being the last), not the whole conversation."""
@@ -172,7 +181,11 @@ class ChatView(QTextBrowser):
         """Letters typed while the conversation has the keyboard (after a click on one of
         its links, say) go into the message box, which takes the keyboard: they were
         lost (a new-user walk). Tab, Enter, Space and the shortcuts stay the view's."""
-        shift = Qt.KeyboardModifier.ShiftModifier | Qt.KeyboardModifier.KeypadModifier
+        shift = (  # and AltGr, which types @, { or € on many keyboards
+            Qt.KeyboardModifier.ShiftModifier
+            | Qt.KeyboardModifier.KeypadModifier
+            | Qt.KeyboardModifier.GroupSwitchModifier
+        )
         text = event.text()
         letters = text.isprintable() and bool(text.strip())
         if self.type_into is not None and letters and not event.modifiers() & ~shift:

@@ -356,7 +356,7 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def on_finished(self, reply: ReplyFinished) -> None:
         if self.conversation_id == reply.conversation_id:
-            self.chat.show_messages(rendered_messages(self.store, self.conversation_id))
+            self.chat.update_messages(rendered_messages(self.store, self.conversation_id))
             self._show_header()  # the turn made the model it ran with the chat's
         self.status.on_finished(reply)
         self.refresh_sidebar()
