@@ -35,7 +35,7 @@ def to_numpy(array: mx.array) -> np.ndarray:
     synchronous copy): a save's view of a turn's rows would take the layer's every
     row along, and the GPU would then compute on managed memory. A view is first
     copied on the device into an array of its own (`mx.contiguous` copies a view of
-    part of a buffer; one of a whole buffer is that buffer)."""
+    part of a buffer; one within 16 kB of the whole buffer it shares, as good as)."""
     if device_apart():
         array = mx.contiguous(array)
     if array.dtype == mx.bfloat16:
