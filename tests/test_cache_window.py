@@ -13,7 +13,7 @@ from test_families import assert_identical
 from app.engine.codecs import is_window_copy
 from app.engine.conversation import TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
-from app.engine.kvquant import quantized_at
+from app.engine.kvquant import MixedKVCache, quantized_at
 from sessions.cachefiles import CacheIndex, path_from_url
 from sessions.db import open_db
 
@@ -91,6 +91,37 @@ def test_a_reopened_quantized_chat_goes_on_quantizing_as_if_it_never_closed(tiny
     held = [e for e in engine.edit(user, "and then?", options) if hasattr(e, "restore")][-1]
     assert held.restore.source == "memory"
     assert held.text == from_disk.text
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_turn_that_cuts_back_into_quantized_rows_still_reopens_as_it_never_closed(
+    tiny_model, bits, monkeypatch
+):
+    """The second turn trims the first reply (re-rendered, its tokens differ), back past
+    rows already quantized: they return to the 16-bit window as dequantized values.
+    Quantized again they once got codes of their own, where the saved chunks keep the
+    first ones, and a reopened chat answered otherwise (an adversarial review)."""
+    reply = 40 if bits == 8 else 180  # past the window (64 or 128) and one block more
+    options = TurnOptions(
+        sampling=SamplingSettings.greedy(reply), kv=KVSettings(bits=bits, group_size=32)
+    )
+    unflushed = []
+    unflush = MixedKVCache._unflush
+
+    def spy(self, until):
+        unflushed.append(until < self.quantized())
+        unflush(self, until)
+
+    monkeypatch.setattr(MixedKVCache, "_unflush", spy)
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    turn(engine, conversation.id, "Tell me a story about a lighthouse keeper and his cat.", options)
+    turn(engine, conversation.id, "And what happened next, in detail?", options)
+    assert any(unflushed)  # the case this is about happened
+
+    reopened = new_engine(tiny_model)
+    assert reopened.prefetch(conversation.id, options.kv).source == "disk"
+    assert_identical(reopened.session.cache, engine.session.cache)
 
 
 def test_a_chat_that_ends_where_another_goes_on_keeps_its_copy(tiny_model):

@@ -105,6 +105,10 @@ class MixedKVCache:
             TokenStore(scheme.value_bits, scheme.group_size),
         ]
         self.exact = [TokenStore(None, scheme.group_size, step=64) for _ in range(2)]
+        # Positions before this have their codes in the bulk's buffers, also those a
+        # trim moved back to 16 bits (`_unflush`): flushed again, or saved, they keep
+        # the codes they were first given, as the saved chunks hold them.
+        self._coded = 0
         self.packed_reads = False  # set by the patched attention (kvattention)
         self.handshake: tuple | None = None
 
@@ -149,6 +153,7 @@ class MixedKVCache:
         n = min(n, self.count)
         left = self.count - n
         q, tail_rows, sink_rows = self.quantized(), self._tail_rows(), self._sink_rows()
+        coded = max(self._coded, q)
         tail_keep = max(0, left - self._tail_start())
         sink_keep = min(self.sink_size, left) if tail_keep == 0 else sink_rows
         for part in (0, 1):
@@ -158,6 +163,7 @@ class MixedKVCache:
         self.offset -= n
         if not self.front_moves():
             self._unflush(quantized_at(left, self.scheme.window, self.scheme))
+        self._coded = 0 if self.front_moves() else min(coded, left)
         return n
 
     def _unflush(self, until: int) -> None:
@@ -300,14 +306,21 @@ class MixedKVCache:
                 self._flush(until)
 
     def _flush(self, until: int) -> None:
-        """Quantize positions [q, until) and drop their 16-bit tail rows."""
+        """Quantize positions [q, until) and drop their 16-bit tail rows. Positions whose
+        codes the bulk still holds (`_coded`) take those back: their 16-bit rows are
+        dequantized ones, which quantized again would not always give the same codes."""
         q, start, sink_rows = self.quantized(), self._tail_start(), self._sink_rows()
-        row = self._exact_row(q)
+        kept = max(0, min(until, self._coded) - q)
+        row = self._exact_row(q + kept)
         for part in (0, 1):
-            rows = self.exact[part].encoded(row, row + until - q)[0]
-            self.bulk[part].append_encoded(self.bulk[part].encode(rows))
+            self.bulk[part].untrim(kept)
+            if until > q + kept:
+                rows = self.exact[part].encoded(row, row + until - q - kept)[0]
+                self.bulk[part].append_encoded(self.bulk[part].encode(rows))
             self.exact[part].drop(max(0, until - start), after=sink_rows)
             self.exact[part].compact()
+        if not self.front_moves():  # a sliding window's positions move: it keeps none
+            self._coded = max(self._coded, until)
 
     def _drop_front(self, n: int) -> None:
         """A sliding window: drop the `n` oldest tokens after the first `keep`."""
@@ -323,7 +336,7 @@ class MixedKVCache:
     def _all_quantized(self, part: int, start: int = 0, end: int | None = None) -> list:
         """Positions [start, end) quantized: the bulk's, then the 16-bit ones encoded."""
         end = self.count if end is None else end
-        q = self.quantized()
+        q = max(self.quantized(), min(self._coded, end))  # the bulk's codes, kept ones too
         parts = self.bulk[part].encoded(start, min(end, q)) if start < q else None
         if end > max(start, q):
             row = self._exact_row(max(start, q))

@@ -158,6 +158,10 @@ class TokenStore:
     def trim(self, n: int) -> None:
         self.hi -= min(n, len(self))
 
+    def untrim(self, n: int) -> None:
+        """Take back `n` tokens a `trim` left in the buffers, unwritten since."""
+        self.hi += n
+
     def compact(self) -> None:
         """Give back a buffer far larger than its tokens (the 16-bit store after a
         long prefill is flushed), so that it does not stay allocated."""
