@@ -138,6 +138,22 @@ def test_reopening_after_a_restart_resumes_from_disk(qtbot, open_window):
     assert reopened.status.message.text().startswith("Continuing: ")
 
 
+def test_a_turn_that_reads_most_of_the_chat_again_does_not_say_continuing(qtbot, open_window):
+    """Found on a new-user walk: after a new system prompt the status bar said
+    "Continuing: 6 tokens already in memory" while 1,130 were read again."""
+    window = open_window()
+    send(qtbot, window, "Tell me about the moon. " * 20, greedy_tokens=8)
+    changed = []
+    window.engine.worker.changed.connect(changed.append)
+    window.system_prompt_requested.emit(window.conversation_id, "Answer as a pirate would.")
+    qtbot.waitUntil(lambda: bool(changed), timeout=10_000)
+    send(qtbot, window, "And the sun?", greedy_tokens=4)
+    text = window.status.message.text()
+    assert text.startswith("Reading the conversation again: "), text
+    reused, _, total = text.split(": ")[1].split(" tokens")[0].partition(" of ")
+    assert int(reused.replace(",", "")) * 2 < int(total.replace(",", ""))
+
+
 def test_a_newer_selection_skips_the_restore_of_the_one_before(qtbot, open_window):
     window = open_window()
     prefetched = []

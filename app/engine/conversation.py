@@ -11,6 +11,7 @@ reply is complete saves the cache's new chunks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import sqlite_utils
 
@@ -224,7 +225,7 @@ class ConversationEngine:
             # The saved tokens go with the cache they came from: without it, the
             # turn is what it would be had nothing been saved.
             prompt = render([])
-        return prompt, restore
+        return prompt, replace(restore, prompt_tokens=len(prompt))
 
     def _stream(
         self,

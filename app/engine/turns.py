@@ -34,6 +34,7 @@ class RestoreInfo:
     estimate_recompute_s: float | None = None
     rejected: str | None = None
     checkpoint: int | None = None  # the snapshot restored, counting from 1 (snapshots only)
+    prompt_tokens: int = 0  # the turn's whole prompt, of which `tokens` were ready
 
     def to_stats(self) -> dict:
         return {

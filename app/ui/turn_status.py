@@ -35,9 +35,13 @@ def progress_text(done: int, total: int) -> str:
     return f"Reading {done:,}/{total:,} tokens"
 
 
-def restore_text(source: str, tokens: int, seconds: float) -> str:
+def restore_text(source: str, tokens: int, seconds: float, prompt_tokens: int = 0) -> str:
+    """Where the turn's cache came from. Most of the prompt read again (a changed system
+    prompt, an edit near the start) is not "continuing", whatever was in memory."""
     if source == "disk":
         return f"Resumed from saved cache: {tokens:,} tokens in {took(seconds)}"
+    if source == "memory" and prompt_tokens > 2 * tokens:
+        return f"Reading the conversation again: {tokens:,} of {prompt_tokens:,} tokens in memory"
     if source == "memory":
         return f"Continuing: {tokens:,} tokens already in memory"
     return "Reading the conversation from the start"
@@ -141,7 +145,7 @@ class TurnStatus(QObject):
             self.progress.show()
 
     def on_restored(self, info: RestoreInfo, first_turn: bool) -> None:
-        text = restore_text(info.source, info.tokens, info.seconds)
+        text = restore_text(info.source, info.tokens, info.seconds, info.prompt_tokens)
         self.message.setText("" if first_turn else text)
 
     def on_prefetched(self, info: RestoreInfo) -> None:
