@@ -181,14 +181,14 @@ class ChatView(QTextBrowser):
         """Letters typed while the conversation has the keyboard (after a click on one of
         its links, say) go into the message box, which takes the keyboard: they were
         lost (a new-user walk). Tab, Enter, Space and the shortcuts stay the view's."""
-        shift = (  # and AltGr, which types @, { or € on many keyboards
+        typing = (  # the modifiers of plain typing; AltGr types @, { or € on many keyboards
             Qt.KeyboardModifier.ShiftModifier
             | Qt.KeyboardModifier.KeypadModifier
             | Qt.KeyboardModifier.GroupSwitchModifier
         )
         text = event.text()
         letters = text.isprintable() and bool(text.strip())
-        if self.type_into is not None and letters and not event.modifiers() & ~shift:
+        if self.type_into is not None and letters and not event.modifiers() & ~typing:
             self.type_into.setFocus()
             QApplication.sendEvent(self.type_into, event)
             return

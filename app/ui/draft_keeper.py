@@ -36,6 +36,10 @@ class DraftKeeper(QObject):
         if self.showing is not None:
             self.drafts.put(self.showing, "")
 
+    def keep_for_a_new_chat(self, text: str) -> None:
+        """`text` waits for the next new chat (the one on screen was given other text)."""
+        self.drafts.put(NEW_CONVERSATION, text)
+
     def prune(self, conversation_ids: set[int]) -> None:
         """Drop the drafts of chats no longer in `conversation_ids` (deleted)."""
         self.drafts.keep_only(conversation_ids)

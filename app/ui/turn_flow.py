@@ -42,7 +42,7 @@ class TurnFlow(QObject):
         waiting = composer.draft()
         composer.edit.setPlainText(text)
         composer.send()
-        drafts.drafts.put(NEW_CONVERSATION, waiting)
+        drafts.keep_for_a_new_chat(waiting)
 
     def regenerate(self) -> None:
         w = self.window
