@@ -184,6 +184,8 @@ def test_a_count_or_restore_asked_for_a_chat_just_deleted_says_nothing(qtbot, op
 
 def test_a_search_that_finds_nothing_says_so(qtbot, open_window):
     """Found on a new-user walk: an empty list, as if there were no chats at all."""
+    from PySide6.QtCore import Qt
+
     window = open_window()
     send(qtbot, window, "Tell me about penguins.", greedy_tokens=4)
     window.sidebar.search.setText("zebras")
@@ -193,5 +195,9 @@ def test_a_search_that_finds_nothing_says_so(qtbot, open_window):
     window.sidebar.search.setText("penguins")
     qtbot.waitUntil(lambda: window.sidebar.list.count() == 1, timeout=10_000)
     assert not window.sidebar.no_matches.isVisible()
+    window.sidebar.search.setText("<b>zebras</b>")  # shown as typed, not as markup
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 0, timeout=10_000)
+    assert window.sidebar.no_matches.textFormat() == Qt.TextFormat.PlainText
+    assert "<b>zebras</b>" in window.sidebar.no_matches.text()
     window.sidebar.search.clear()
     assert not window.sidebar.no_matches.isVisible()

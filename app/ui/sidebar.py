@@ -170,6 +170,7 @@ class Sidebar(QWidget):
         layout.addWidget(self.new_button)
         layout.addWidget(self.search)
         self.no_matches = QLabel()  # a search that found nothing says so
+        self.no_matches.setTextFormat(Qt.TextFormat.PlainText)  # the query as typed, tags too
         self.no_matches.setWordWrap(True)
         self.no_matches.hide()
         layout.addWidget(self.no_matches)
