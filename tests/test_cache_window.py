@@ -5,6 +5,8 @@ not one per turn."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from safetensors import safe_open
 from test_cache_files import new_engine, turn
@@ -121,6 +123,37 @@ def test_a_turn_that_cuts_back_into_quantized_rows_still_reopens_as_it_never_clo
 
     reopened = new_engine(tiny_model)
     assert reopened.prefetch(conversation.id, options.kv).source == "disk"
+    assert_identical(reopened.session.cache, engine.session.cache)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rows_cut_back_and_still_in_the_window_reopen_with_their_first_codes(tiny_model, bits):
+    """A reply asked again, shorter: rows the cut moved back to the 16-bit window are
+    still there when the chat is saved. Their 16-bit values are dequantized ones, which
+    quantized again do not always give the codes they had; the reopened layers must
+    take the codes the file holds, as the live ones keep them."""
+    long_reply = 40 if bits == 8 else 180
+    first = TurnOptions(
+        sampling=SamplingSettings.greedy(long_reply), kv=KVSettings(bits=bits, group_size=32)
+    )
+    short = replace(first, sampling=SamplingSettings.greedy(2))
+    engine = new_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    asked = "Tell me a story about a lighthouse keeper and his cat."
+    done, _ = turn(engine, conversation.id, asked, first)
+    user = engine.store.message(done.message_id).parent_id
+    list(engine.edit(user, asked, short))
+    layer = engine.session.cache[0]
+    assert layer._coded > max(layer.quantized(), layer.sink_size)  # the case this is about
+
+    reopened = new_engine(tiny_model)
+    assert reopened.prefetch(conversation.id, first.kv).source == "disk"
+    assert_identical(reopened.session.cache, engine.session.cache)
+    # and a long reply after it quantizes them with those codes, as the live one does
+    again, _ = turn(reopened, conversation.id, "Go on.", first)
+    user = reopened.store.message(again.message_id).parent_id
+    held = [e for e in engine.edit(user, "Go on.", first) if hasattr(e, "restore")][-1]
+    assert held.restore.source == "memory"
     assert_identical(reopened.session.cache, engine.session.cache)
 
 

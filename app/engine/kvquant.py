@@ -236,6 +236,7 @@ class MixedKVCache:
         recent = recent_k.shape[2] if recent_k is not None else 0
         for part in (0, 1):  # the recent tokens are held in 16 bits, not quantized
             self.bulk[part].trim(recent)
+        self._take_saved_codes()
         start = self._tail_start()  # recent rows may overlap the sink
         for part, (sink, tail) in enumerate(((sink_k, recent_k), (sink_v, recent_v))):
             if sink is not None and self.sink_size:
@@ -431,4 +432,12 @@ class MixedKVCache:
                     layer.exact[part].hold([exact[i]], held)
         for layer in layers:
             layer.count = layer.offset = count
+            layer._take_saved_codes()
         return layers
+
+    def _take_saved_codes(self) -> None:
+        """A layer rebuilt from its saved codes keeps those of its 16-bit rows too,
+        past the bulk's end: they are the live layer's (its tail may hold rows a trim
+        dequantized, which quantized again would not always give the same codes)."""
+        if not self.front_moves():
+            self._coded = self.count
