@@ -29,6 +29,7 @@ from app.engine.generation import (
     TurnFinished,
     TurnStats,
 )
+from app.engine.known_tokens import boundary_ids, prompt_tokens
 from app.engine.kvconvert import quantizer
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import SIXTEEN_BIT, KVScheme, scheme_for, usable_format
@@ -71,6 +72,7 @@ class ChatSession:
         self.loaded = loaded
         self.cache: list | None = None
         self.tokens: list[int] = []
+        self._boundaries = boundary_ids(loaded.tokenizer)
 
     # -- prompt ---------------------------------------------------------------
 
@@ -84,10 +86,9 @@ class ChatSession:
         """The token ids of the conversation, ending with the assistant's turn opening
         and `reply_so_far` (a reply being continued: no end of turn after it).
 
-        `known` are tokens the model has already seen (its cache). When they spell the
-        start of the conversation's text they are kept as they are and only the rest is
-        tokenized: a reply's own tokens need not survive a decode/encode round trip, so
-        the whole cache stays usable.
+        `known` are tokens the model has already seen (its cache): as many of them as
+        spell the start of the conversation's text are kept as they are, and only the
+        rest is tokenized (`known_tokens.prompt_tokens`), so that the cache stays usable.
         """
         full = list(messages)
         if system:
@@ -95,14 +96,13 @@ class ChatSession:
         tokenizer = self.loaded.tokenizer
         text = tokenizer.apply_chat_template(full, add_generation_prompt=True, tokenize=False)
         text += reply_so_far
-        if known:
-            known_text = tokenizer.decode(list(known), skip_special_tokens=False)
-            if text.startswith(known_text):
-                return [
-                    *known,
-                    *tokenizer.encode(text[len(known_text) :], add_special_tokens=False),
-                ]
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return prompt_tokens(text, known, self._tokenize, self._spell, self._boundaries)
+
+    def _tokenize(self, text: str) -> list[int]:
+        return list(self.loaded.tokenizer.encode(text, add_special_tokens=False))
+
+    def _spell(self, tokens: list[int]) -> str:
+        return self.loaded.tokenizer.decode(tokens, skip_special_tokens=False)
 
     # -- cache ----------------------------------------------------------------
 

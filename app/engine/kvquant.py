@@ -409,8 +409,10 @@ class MixedKVCache:
         a run of layers: the bulk's tensors ("k.0", "v.2") as an array per layer, which
         become the layers' buffers as they are (so they may hold room past `count`); the
         16-bit sink and recent rows stacked along a first axis, a row per layer (as a
-        chunk file holds them). Without the 16-bit rows (a file written before they were
-        saved) every token comes back quantized."""
+        chunk file holds them). Without the 16-bit rows (a restore that ends before the
+        conversation does, at a checkpoint; a file written before they were saved) the
+        recent ones come back dequantized, as after a `trim`: the layer is what
+        `quantized_at` says, so that its next save writes a copy a reader takes."""
         scheme = replace(scheme, window=app_window(scheme))
         layers = [cls(scheme) for _ in range(len(named["k.0"]))]
         tails = [named.get(f"t{count}{prefix}") for prefix in "kv"]
@@ -433,6 +435,8 @@ class MixedKVCache:
         for layer in layers:
             layer.count = layer.offset = count
             layer._take_saved_codes()
+            if tails[0] is None:
+                layer._unflush(quantized_at(count, scheme.window, scheme))
         return layers
 
     def _take_saved_codes(self) -> None:
