@@ -14,7 +14,7 @@ import pytest
 import sqlite_utils
 from mlx_lm.models.cache import RotatingKVCache
 from tampering import rewrite_chunk, rewrite_layout
-from test_families import assert_identical
+from test_families import assert_identical, fresh_reply
 
 from app.engine import snapshots
 from app.engine.cache_keys import SNAPSHOT, snapshot_key, tokens_hash
@@ -66,6 +66,7 @@ def global_bytes_per_token(cache: list) -> int:
 
 def test_a_turn_writes_its_new_tokens_and_a_checkpoint_of_the_windows(words_model):
     engine = ConversationEngine(open_db(), words_model)
+    assert engine.session.writes_replies_back()  # so one checkpoint a turn, at its end
     conversation = engine.store.create(words_model.name)
     index, before, rows = CacheIndex(open_db()), 0, []
     for n in range(8):
@@ -337,3 +338,53 @@ def test_the_windows_of_a_model_computed_in_float32_are_float16_throughout(slidi
     assert type(restored) is MixedKVCache and restored.max_size == window.max_size
     for ours, live in zip(restored.dequantized(), window.dequantized(), strict=True):
         assert ours.dtype == mx.float16 and mx.array_equal(ours, live).item()
+
+
+# A template that writes an earlier reply otherwise than the model wrote it, as
+# gpt-oss's does (a "final" channel around it) and a reasoning model's (without its
+# thinking): the next prompt parts from the cached tokens where the reply starts.
+CHANNEL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}final: {% endif %}"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def channel_model(starter_model_dir, tmp_path_factory):
+    from app.engine.loading import load
+
+    folder = families.build("sliding", starter_model_dir, tmp_path_factory.mktemp("channel"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHANNEL_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return load(folder)
+
+
+def test_a_template_that_rewrites_replies_resumes_from_the_prompts_end(channel_model):
+    engine = ConversationEngine(open_db(), channel_model)
+    assert not engine.session.writes_replies_back()
+    conversation = engine.store.create(channel_model.name)
+    turn(engine, conversation.id, FIRST)
+    first_prompt = len(engine.session.render([{"role": "user", "content": FIRST}]))
+    entry = engine.index.conversation(conversation.id)
+    ends = [engine.index.chunk(key)["token_end"] for key in entry.checkpoint_keys]
+    assert ends == [first_prompt, len(entry.tokens)]  # the prompt's end, and the turn's
+
+    reopened = ConversationEngine(open_db(), channel_model)
+    finished, _ = turn(reopened, conversation.id, LATER)
+    # The next prompt parts from the cache where the reply starts: it goes on from the
+    # checkpoint at the first prompt's end (before, it read the whole chat again).
+    assert (finished.restore.source, finished.restore.checkpoint) == ("disk", 1)
+    assert finished.stats.reused_tokens == first_prompt
+    messages = reopened.store.get(conversation.id).chat_messages()
+    assert finished.text == fresh_reply(channel_model, messages[:-1], OPTIONS)
+
+    # The engine that never closed holds the first turn's end, which it cannot cut
+    # back: it goes to the same checkpoint.
+    user = reopened.store.message(finished.message_id).parent_id
+    again = next(e for e in list(engine.edit(user, LATER, OPTIONS)) if isinstance(e, ReplyFinished))
+    assert (again.restore.source, again.restore.checkpoint) == ("disk", 1)
+    assert again.text == finished.text

@@ -43,6 +43,8 @@ from app.engine.steps import (
 )
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
+# Replies a chat template is asked to write back (`ChatSession.writes_replies_back`).
+_PROBE_REPLIES = ("Fine, thanks.", "<think>\nA greeting.\n</think>\n\nFine, thanks.")
 Event = TextDelta | PromptProgress | TurnFinished
 
 
@@ -73,6 +75,7 @@ class ChatSession:
         self.cache: list | None = None
         self.tokens: list[int] = []
         self._boundaries = boundary_ids(loaded.tokenizer)
+        self._writes_back: bool | None = None
 
     # -- prompt ---------------------------------------------------------------
 
@@ -97,6 +100,30 @@ class ChatSession:
         text = tokenizer.apply_chat_template(full, add_generation_prompt=True, tokenize=False)
         text += reply_so_far
         return prompt_tokens(text, known, self._tokenize, self._spell, self._boundaries)
+
+    def writes_replies_back(self) -> bool:
+        """Whether the chat template writes an earlier reply back as the model wrote it,
+        so that the next turn's prompt goes on from the end of this one's. A reasoning
+        model's drops the thinking; gpt-oss's wraps the reply in channel markers. Asked
+        of the template once, with a plain reply and a reasoning one."""
+        if self._writes_back is None:
+            self._writes_back = all(map(self._template_keeps, _PROBE_REPLIES))
+        return self._writes_back
+
+    def _template_keeps(self, reply: str) -> bool:
+        asked = [{"role": "user", "content": "Hello?"}]
+        answered = [
+            *asked,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "So?"},
+        ]
+        template = self.loaded.tokenizer.apply_chat_template
+        try:
+            opening = template(asked, add_generation_prompt=True, tokenize=False)
+            later = template(answered, add_generation_prompt=True, tokenize=False)
+        except Exception:  # a template's own error (jinja2 raises its kinds): assume not
+            return False
+        return later.startswith(opening + reply)
 
     def _tokenize(self, text: str) -> list[int]:
         return list(self.loaded.tokenizer.encode(text, add_special_tokens=False))
@@ -182,9 +209,11 @@ class ChatSession:
         kv: KVSettings | None = None,
         should_stop: Callable[[], bool] = lambda: False,
         max_context: int | None = None,
+        at_prompt_end: Callable[[list, int], None] | None = None,
     ) -> Iterator[Event]:
         """Stream a reply to `prompt`; `max_context` caps prompt plus reply below the
-        model's own context length (a memory preference)."""
+        model's own context length (a memory preference). `at_prompt_end(cache, n)` is
+        called once the cache holds the prompt's `n` tokens, before the reply's."""
         sampling = sampling or SamplingSettings()
         kv = kv or KVSettings()
         turn = _Turn(prompt, time.perf_counter())
@@ -214,25 +243,29 @@ class ChatSession:
             next_token = make_next_token(
                 self.loaded.model, self.cache, sampling, quantize, self.tokens
             )
+            tokens = decode(
+                next_token,
+                remaining[-tail:],
+                ahead=not cpu_blas.available(),  # the CPU path computes a step in the call
+                at_prompt_end=lambda: at_prompt_end and at_prompt_end(self.cache, len(prompt)),
+            )
             text, reason = yield from self._decode(
-                turn, next_token, remaining[-tail:], min(sampling.max_tokens, room), should_stop
+                turn, tokens, min(sampling.max_tokens, room), should_stop
             )
         yield self._finish(turn, text, reason)
 
     def _decode(
         self,
         turn: _Turn,
-        next_token,
-        prompt_tail: list[int],
+        tokens: Iterator[int],
         limit: int,
         should_stop: Callable[[], bool],
     ) -> Iterator[Event]:
-        """Stream text until an end token, `limit` tokens or Stop; returns (text, reason)."""
+        """Stream text from `tokens` (`steps.decode`) until an end token, `limit` tokens
+        or Stop; returns (text, reason)."""
         detokenizer = self.loaded.tokenizer.detokenizer  # a fresh copy
         eos = set(self.loaded.tokenizer.eos_token_ids)
         reason = "length"
-        # The CPU path computes a step in the call: hand each token out first.
-        tokens = decode(next_token, prompt_tail, ahead=not cpu_blas.available())
         try:
             for token in tokens:
                 self.tokens.append(token)

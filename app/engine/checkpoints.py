@@ -20,6 +20,8 @@ or a regenerate) with the chunks of the tokens before it, trimmed to them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -55,13 +57,41 @@ def _window_type(sixteen_bit: str | None) -> mx.Dtype | None:
     return None if fmt == "float32" else stored_dtype(fmt)
 
 
+@dataclass(frozen=True)
+class Taken:
+    """A checkpoint's contents taken during a turn, when the cache held its first
+    `tokens` (the prompt), to be written with the turn's save."""
+
+    tokens: int
+    tensors: dict
+    layout: str
+
+
+def take(store: KVStore, cache: list, tokens: int) -> Taken:
+    """The checkpoint of `cache` as it is now, holding `tokens` tokens: its windows and
+    states copied to host memory (the reply's tokens go on to change them)."""
+    _, slots = _chunked_slots(store, cache)
+    tensors, layout = snapshots.snapshot(cache, slots, _window_type(store.sixteen_bit))
+    return Taken(tokens, tensors, layout)
+
+
+def _chunked_slots(store: KVStore, cache: list) -> tuple[str | None, list[int]]:
+    """The chunks' format, and the slots of the layers they hold (none without one)."""
+    fmt = chunk_format(cache, store.sixteen_bit)
+    return fmt, [i for i, name in enumerate(chunk_classes(cache)) if name] if fmt else []
+
+
 def save(
-    store: KVStore, conversation_id: int, tokens: list[int], cache: list
+    store: KVStore,
+    conversation_id: int,
+    tokens: list[int],
+    cache: list,
+    taken: Taken | None = None,
 ) -> tuple[int, int, int]:
     """Chunks for the new tokens of the chunked layers, and a checkpoint of the others
-    at the end of `tokens`; (files written, files reused, bytes written)."""
-    fmt = chunk_format(cache, store.sixteen_bit)
-    slots = [i for i, name in enumerate(chunk_classes(cache)) if name] if fmt else []
+    at the end of `tokens`, and at the end of the turn's prompt when `taken` there;
+    (files written, files reused, bytes written)."""
+    fmt, slots = _chunked_slots(store, cache)
     parts = cache_parts(cache)
     if any(parts[i].offset != len(tokens) for i in slots):
         store.index.forget_conversation(conversation_id)
@@ -71,20 +101,39 @@ def save(
     if slots:
         keys, written, reused, size = store.write_chunks(previous, fmt, tokens, cache)
     fmt = fmt or SNAPSHOT
-    key = checkpoint_key(store.fingerprint, fmt, tokens)
-    if store.have(key):
-        reused += 1
-    else:
-        tensors, layout = snapshots.snapshot(cache, slots, _window_type(store.sixteen_bit))
-        manifest = ChunkManifest(
-            store.fingerprint, SNAPSHOT, key, 0, len(tokens), tokens_hash(tokens), len(cache)
-        )
-        size += store.write(manifest, tensors, {"layout": layout})
-        written += 1
-    earlier = _earlier_checkpoints(store, previous, fmt, tokens)
-    kept = [*earlier[-(MAX_CHECKPOINTS - 1) :], key]
+    taken = taken if taken and 0 < taken.tokens < len(tokens) else None
+    points = [
+        (len(tokens), lambda: snapshots.snapshot(cache, slots, _window_type(store.sixteen_bit)))
+    ]
+    if taken:  # the prompt's end comes first
+        points.insert(0, (taken.tokens, lambda: (taken.tensors, taken.layout)))
+    new_keys = []
+    for end, contents in points:
+        key, size_written = _write_checkpoint(store, fmt, tokens[:end], len(cache), contents)
+        new_keys.append(key)
+        if size_written:
+            written, size = written + 1, size + size_written
+        else:
+            reused += 1
+    earlier = _earlier_checkpoints(store, previous, fmt, tokens[: points[0][0]])
+    kept = [*earlier, *new_keys][-MAX_CHECKPOINTS:]
     store.point_conversation(conversation_id, fmt, tokens, keys, kept)
     return written, reused, size
+
+
+def _write_checkpoint(
+    store: KVStore, fmt: str, tokens: list[int], layers: int, contents: Callable[[], tuple]
+) -> tuple[str, int]:
+    """The checkpoint of `tokens`, written from `contents()` (tensors, layout) unless
+    saved already; (its key, bytes written: 0 when reused)."""
+    key = checkpoint_key(store.fingerprint, fmt, tokens)
+    if store.have(key):
+        return key, 0
+    tensors, layout = contents()
+    manifest = ChunkManifest(
+        store.fingerprint, SNAPSHOT, key, 0, len(tokens), tokens_hash(tokens), layers
+    )
+    return key, store.write(manifest, tensors, {"layout": layout})
 
 
 def _earlier_checkpoints(

@@ -17,6 +17,7 @@ import sqlite_utils
 
 from app.engine.cache_keys import SNAPSHOT
 from app.engine.chat import ChatSession, Event
+from app.engine.checkpoints import Taken
 from app.engine.generation import (
     KVSettings,
     TextDelta,
@@ -84,6 +85,7 @@ class ConversationEngine:
         self.loaded = loaded
         self.budget_bytes = budget_bytes
         self._in_memory: int | None = None  # the conversation whose cache `session` holds
+        self._taken: tuple[int, Taken] | None = None  # a checkpoint at a prompt's end
 
     # -- the three ways to get a reply ----------------------------------------
 
@@ -238,6 +240,7 @@ class ConversationEngine:
     ) -> Iterator[Event | ReplyFinished]:
         """Stream the reply into `writer`'s message, after the text it already has."""
         before = writer.text
+        self._taken = None
         lead = ""  # a fresh detokenizer drops a continuation's leading space; put it back
         first = True
         try:
@@ -247,6 +250,7 @@ class ConversationEngine:
                 kv=options.kv,
                 should_stop=should_stop,
                 max_context=options.max_context,
+                at_prompt_end=lambda cache, n: self._take(conversation_id, cache, n),
             ):
                 if isinstance(event, TextDelta):
                     if first and before:
@@ -275,10 +279,21 @@ class ConversationEngine:
         spelled = self.loaded.tokenizer.decode(generated) if generated else ""
         return " " if spelled.startswith(" ") and not first_text.startswith(" ") else ""
 
+    def _take(self, conversation_id: int, cache: list, tokens: int) -> None:
+        """At a turn's prompt end: keep a checkpoint there for the save when the next
+        turn will not go on from the end of this one (the template writes replies back
+        otherwise) and the cache cannot be cut back to it (windows, states)."""
+        if not can_trim(cache) and not self.session.writes_replies_back():
+            self._taken = (conversation_id, self.kvstore.take_checkpoint(cache, tokens))
+
     def save(self, conversation_id: int) -> CacheSaved:
         """Write the cache's new chunks; a failure here costs speed later, never text."""
+        taken, self._taken = self._taken, None
+        taken = taken[1] if taken and taken[0] == conversation_id else None
         try:
-            report = self.kvstore.save(conversation_id, self.session.tokens, self.session.cache)
+            report = self.kvstore.save(
+                conversation_id, self.session.tokens, self.session.cache, taken
+            )
         except (DiskFull, OSError) as exc:
             return CacheSaved(SaveReport(), error=str(exc))
         if self.budget_bytes is not None:

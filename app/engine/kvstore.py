@@ -99,10 +99,19 @@ class KVStore:
 
     # -- save ------------------------------------------------------------------
 
-    def save(self, conversation_id: int, tokens: list[int], cache: list) -> SaveReport:
+    def save(
+        self,
+        conversation_id: int,
+        tokens: list[int],
+        cache: list,
+        taken: checkpoints.Taken | None = None,
+    ) -> SaveReport:
+        """Write what the files lack of `cache` (holding `tokens`); `taken`: a checkpoint
+        taken at the turn's prompt end (`checkpoints.take`), for a cache of windows or
+        states whose next turn will not go on from the end of this one."""
         started = time.perf_counter()
         if cache and tokens and not snapshots.is_chunkable(cache):
-            counts = checkpoints.save(self, conversation_id, tokens, cache)
+            counts = checkpoints.save(self, conversation_id, tokens, cache, taken)
             return SaveReport(*counts, time.perf_counter() - started)
         live = kv_format(cache) if cache else None
         if live is None or not tokens or cache[0].offset != len(tokens):
@@ -113,6 +122,10 @@ class KVStore:
         keys, written, reused, size = self.write_chunks(previous, fmt, tokens, cache)
         self.point_conversation(conversation_id, fmt, tokens, keys)
         return SaveReport(written, reused, size, time.perf_counter() - started)
+
+    def take_checkpoint(self, cache: list, tokens: int) -> checkpoints.Taken:
+        """A checkpoint of `cache` as it is now, at `tokens`, for a later `save`."""
+        return checkpoints.take(self, cache, tokens)
 
     def write_chunks(
         self, previous: ConversationCache | None, fmt: str, tokens: list[int], cache: list

@@ -101,7 +101,10 @@ def make_next_token(
 
 
 def decode(
-    next_token: Callable[[mx.array], mx.array], prompt_tail: Sequence[int], ahead: bool = True
+    next_token: Callable[[mx.array], mx.array],
+    prompt_tail: Sequence[int],
+    ahead: bool = True,
+    at_prompt_end: Callable[[], None] = lambda: None,
 ) -> Iterator[int]:
     """Generated token ids, one at a time, for as long as the caller takes them.
 
@@ -111,10 +114,12 @@ def decode(
     the token. Where a step is computed at once, in the call (the CPU path's numpy
     layers and BLAS products), that would keep each token until the next one was
     computed, a whole step later; there a token is handed out first and fed when the
-    caller asks for the next one, or stops.
+    caller asks for the next one, or stops. `at_prompt_end` is called once the cache
+    holds the whole prompt, before any generated token goes in.
     """
     y = next_token(mx.array(prompt_tail))  # the last prompt tokens, at least one
     mx.async_eval(y)
+    at_prompt_end()
     while True:
         if ahead:
             next_y = next_token(y)
