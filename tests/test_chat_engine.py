@@ -134,28 +134,6 @@ def test_the_cache_holds_every_token_handed_out_wherever_the_caller_stops(tiny_m
     assert cache[0].offset == len(prompt) + taken
 
 
-@pytest.mark.parametrize("ahead", [True, False], ids=["fed ahead", "fed when asked"])
-@pytest.mark.parametrize("taken", [1, 3])
-def test_the_prompt_end_is_seen_with_the_prompt_alone_in_the_cache(tiny_model, ahead, taken):
-    """Where a checkpoint of a prompt's end is taken (a template that writes replies
-    back otherwise): the cache then holds the prompt and no generated token, however
-    the steps run and however soon the caller stops."""
-    model, prompt = tiny_model.model, [5, 6, 7, 8]
-    cache = make_prompt_cache(model)
-    next_token = make_next_token(model, cache, GREEDY, lambda _: None, list(prompt))
-    seen = []
-
-    def at_prompt_end() -> None:
-        mx.eval([layer.state for layer in cache])
-        seen.append(cache[0].offset)
-
-    tokens = steps_module.decode(next_token, prompt, ahead=ahead, at_prompt_end=at_prompt_end)
-    for _ in range(taken):
-        next(tokens)
-    tokens.close()
-    assert seen == [len(prompt)]
-
-
 def test_the_penalty_sees_the_same_tokens_whichever_order_the_steps_run(tiny_model):
     """The repetition penalty reads every token fed, the one just sampled included,
     whether the device computes ahead (a GPU) or each token is handed out first (the

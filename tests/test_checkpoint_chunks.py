@@ -66,7 +66,7 @@ def global_bytes_per_token(cache: list) -> int:
 
 def test_a_turn_writes_its_new_tokens_and_a_checkpoint_of_the_windows(words_model):
     engine = ConversationEngine(open_db(), words_model)
-    assert engine.session.writes_replies_back()  # so one checkpoint a turn, at its end
+    assert engine.session.template.writes_replies_back  # so one checkpoint a turn, at its end
     conversation = engine.store.create(words_model.name)
     index, before, rows = CacheIndex(open_db()), 0, []
     for n in range(8):
@@ -363,28 +363,34 @@ def channel_model(starter_model_dir, tmp_path_factory):
     return load(folder)
 
 
-def test_a_template_that_rewrites_replies_resumes_from_the_prompts_end(channel_model):
+def test_a_template_that_rewrites_replies_resumes_from_before_the_generation_prompt(
+    channel_model,
+):
     engine = ConversationEngine(open_db(), channel_model)
-    assert not engine.session.writes_replies_back()
+    assert not engine.session.template.writes_replies_back
     conversation = engine.store.create(channel_model.name)
     turn(engine, conversation.id, FIRST)
-    first_prompt = len(engine.session.render([{"role": "user", "content": FIRST}]))
+    tokenizer = channel_model.tokenizer
+    asked = [{"role": "user", "content": FIRST}]
+    messages_end = len(tokenizer.apply_chat_template(asked, add_generation_prompt=False))
     entry = engine.index.conversation(conversation.id)
     ends = [engine.index.chunk(key)["token_end"] for key in entry.checkpoint_keys]
-    assert ends == [first_prompt, len(entry.tokens)]  # the prompt's end, and the turn's
+    assert ends == [messages_end, len(entry.tokens)]  # before "assistant\n", and the end
 
     reopened = ConversationEngine(open_db(), channel_model)
     finished, _ = turn(reopened, conversation.id, LATER)
     # The next prompt parts from the cache where the reply starts: it goes on from the
-    # checkpoint at the first prompt's end (before, it read the whole chat again).
+    # checkpoint before the first generation prompt (before, it read the whole chat).
     assert (finished.restore.source, finished.restore.checkpoint) == ("disk", 1)
-    assert finished.stats.reused_tokens == first_prompt
+    assert finished.stats.reused_tokens == messages_end
     messages = reopened.store.get(conversation.id).chat_messages()
     assert finished.text == fresh_reply(channel_model, messages[:-1], OPTIONS)
 
     # The engine that never closed holds the first turn's end, which it cannot cut
-    # back: it goes to the same checkpoint.
+    # back to: it goes to the same checkpoint. So does the reply asked again.
     user = reopened.store.message(finished.message_id).parent_id
-    again = next(e for e in list(engine.edit(user, LATER, OPTIONS)) if isinstance(e, ReplyFinished))
-    assert (again.restore.source, again.restore.checkpoint) == ("disk", 1)
-    assert again.text == finished.text
+    for events in (engine.edit(user, LATER, OPTIONS), engine.regenerate(conversation.id, OPTIONS)):
+        again = next(e for e in list(events) if isinstance(e, ReplyFinished))
+        assert again.restore.source == "disk"
+        assert again.stats.reused_tokens >= messages_end
+        assert again.text == finished.text

@@ -34,6 +34,7 @@ from app.engine.kvconvert import quantizer
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import SIXTEEN_BIT, KVScheme, scheme_for, usable_format
 from app.engine.loading import LoadedModel
+from app.engine.prompt_checkpoints import PromptCheckpoint, TemplateFacts
 from app.engine.steps import (
     decode,
     first_call_tokens,
@@ -43,8 +44,6 @@ from app.engine.steps import (
 )
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
-# Replies a chat template is asked to write back (`ChatSession.writes_replies_back`).
-_PROBE_REPLIES = ("Fine, thanks.", "<think>\nA greeting.\n</think>\n\nFine, thanks.")
 Event = TextDelta | PromptProgress | TurnFinished
 
 
@@ -75,7 +74,7 @@ class ChatSession:
         self.cache: list | None = None
         self.tokens: list[int] = []
         self._boundaries = boundary_ids(loaded.tokenizer)
-        self._writes_back: bool | None = None
+        self.template = TemplateFacts(loaded.tokenizer, self._spell)
 
     # -- prompt ---------------------------------------------------------------
 
@@ -101,35 +100,15 @@ class ChatSession:
         text += reply_so_far
         return prompt_tokens(text, known, self._tokenize, self._spell, self._boundaries)
 
-    def writes_replies_back(self) -> bool:
-        """Whether the chat template writes an earlier reply back as the model wrote it,
-        so that the next turn's prompt goes on from the end of this one's. A reasoning
-        model's drops the thinking; gpt-oss's wraps the reply in channel markers. Asked
-        of the template once, with a plain reply and a reasoning one."""
-        if self._writes_back is None:
-            self._writes_back = all(map(self._template_keeps, _PROBE_REPLIES))
-        return self._writes_back
-
-    def _template_keeps(self, reply: str) -> bool:
-        asked = [{"role": "user", "content": "Hello?"}]
-        answered = [
-            *asked,
-            {"role": "assistant", "content": reply},
-            {"role": "user", "content": "So?"},
-        ]
-        template = self.loaded.tokenizer.apply_chat_template
-        try:
-            opening = template(asked, add_generation_prompt=True, tokenize=False)
-            later = template(answered, add_generation_prompt=True, tokenize=False)
-        except Exception:  # a template's own error (jinja2 raises its kinds): assume not
-            return False
-        return later.startswith(opening + reply)
-
     def _tokenize(self, text: str) -> list[int]:
         return list(self.loaded.tokenizer.encode(text, add_special_tokens=False))
 
     def _spell(self, tokens: list[int]) -> str:
-        return self.loaded.tokenizer.decode(tokens, skip_special_tokens=False)
+        # As written: no clean-up of spaces before punctuation (Llama 3's tokenizer
+        # asks for it), which would make a cache's text part from the chat's at " ,".
+        return self.loaded.tokenizer.decode(
+            tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
     # -- cache ----------------------------------------------------------------
 
@@ -209,11 +188,11 @@ class ChatSession:
         kv: KVSettings | None = None,
         should_stop: Callable[[], bool] = lambda: False,
         max_context: int | None = None,
-        at_prompt_end: Callable[[list, int], None] | None = None,
+        checkpoint: PromptCheckpoint | None = None,
     ) -> Iterator[Event]:
         """Stream a reply to `prompt`; `max_context` caps prompt plus reply below the
-        model's own context length (a memory preference). `at_prompt_end(cache, n)` is
-        called once the cache holds the prompt's `n` tokens, before the reply's."""
+        model's own context length (a memory preference). The prefill stops where
+        `checkpoint` says, for its `take`, when that is within the prompt's new tokens."""
         sampling = sampling or SamplingSettings()
         kv = kv or KVSettings()
         turn = _Turn(prompt, time.perf_counter())
@@ -230,6 +209,10 @@ class ChatSession:
         with mx.stream(generation_stream):
             yield PromptProgress(0, len(remaining))
             tail = first_call_tokens(remaining)
+            if checkpoint and turn.reused < checkpoint.tokens < len(prompt):
+                tail = len(prompt) - checkpoint.tokens  # the generation prompt
+            else:
+                checkpoint = None
             for done in prefill(self.loaded.model, self.cache, remaining[:-tail], quantize):
                 self.tokens = list(prompt[: turn.reused + done])
                 yield PromptProgress(done, len(remaining))
@@ -239,16 +222,14 @@ class ChatSession:
             if not remaining[:-tail] and should_stop():  # a short prompt has no prefill step
                 yield self._finish(turn, "", "cancelled")
                 return
+            if checkpoint:
+                checkpoint.take(self.cache)
             self.tokens = list(prompt)
             next_token = make_next_token(
                 self.loaded.model, self.cache, sampling, quantize, self.tokens
             )
-            tokens = decode(
-                next_token,
-                remaining[-tail:],
-                ahead=not cpu_blas.available(),  # the CPU path computes a step in the call
-                at_prompt_end=lambda: at_prompt_end and at_prompt_end(self.cache, len(prompt)),
-            )
+            # The CPU path computes a step in the call: hand each token out first.
+            tokens = decode(next_token, remaining[-tail:], ahead=not cpu_blas.available())
             text, reason = yield from self._decode(
                 turn, tokens, min(sampling.max_tokens, room), should_stop
             )

@@ -60,19 +60,20 @@ def _window_type(sixteen_bit: str | None) -> mx.Dtype | None:
 @dataclass(frozen=True)
 class Taken:
     """A checkpoint's contents taken during a turn, when the cache held its first
-    `tokens` (the prompt), to be written with the turn's save."""
+    `tokens` (its messages, before the generation prompt), written with its save."""
 
     tokens: int
     tensors: dict
     layout: str
+    fmt: str | None  # the chunks' format then: the layers it leaves to them
 
 
 def take(store: KVStore, cache: list, tokens: int) -> Taken:
     """The checkpoint of `cache` as it is now, holding `tokens` tokens: its windows and
     states copied to host memory (the reply's tokens go on to change them)."""
-    _, slots = _chunked_slots(store, cache)
+    fmt, slots = _chunked_slots(store, cache)
     tensors, layout = snapshots.snapshot(cache, slots, _window_type(store.sixteen_bit))
-    return Taken(tokens, tensors, layout)
+    return Taken(tokens, tensors, layout, fmt)
 
 
 def _chunked_slots(store: KVStore, cache: list) -> tuple[str | None, list[int]]:
@@ -89,8 +90,8 @@ def save(
     taken: Taken | None = None,
 ) -> tuple[int, int, int]:
     """Chunks for the new tokens of the chunked layers, and a checkpoint of the others
-    at the end of `tokens`, and at the end of the turn's prompt when `taken` there;
-    (files written, files reused, bytes written)."""
+    at the end of `tokens`, and one `taken` during the turn (before its generation
+    prompt, app/engine/prompt_checkpoints.py); (files written, files reused, bytes)."""
     fmt, slots = _chunked_slots(store, cache)
     parts = cache_parts(cache)
     if any(parts[i].offset != len(tokens) for i in slots):
@@ -100,12 +101,15 @@ def save(
     keys, written, reused, size = [], 0, 0, 0
     if slots:
         keys, written, reused, size = store.write_chunks(previous, fmt, tokens, cache)
+    # A layer quantized during the reply ("full precision until N") is no longer what
+    # the taken checkpoint left to chunks: that one would be refused, so it is not kept.
+    if taken and not (0 < taken.tokens < len(tokens) and taken.fmt == fmt):
+        taken = None
     fmt = fmt or SNAPSHOT
-    taken = taken if taken and 0 < taken.tokens < len(tokens) else None
     points = [
         (len(tokens), lambda: snapshots.snapshot(cache, slots, _window_type(store.sixteen_bit)))
     ]
-    if taken:  # the prompt's end comes first
+    if taken:  # the earlier one first: `pick` takes the last that fits
         points.insert(0, (taken.tokens, lambda: (taken.tensors, taken.layout)))
     new_keys = []
     for end, contents in points:

@@ -37,12 +37,14 @@ def prompt_tokens(
     kept = _last_boundary(known, longest_spelled_prefix(text, known, decode), boundaries)
     if kept <= agreed:
         return plain
-    # Tokens after an added token (a chat marker) encode alone as they do in context:
-    # the tokenizer splits those out before anything else.
+    # Tokens after an added token (a chat marker) mostly encode alone as they do in
+    # context: the tokenizer splits those out first. Not always (a marker that eats the
+    # space after it, a first word spelled with a leading space): checked.
     spelled = decode(known[:kept])
     if not text.startswith(spelled):
         return plain
-    return [*known[:kept], *encode(text[len(spelled) :])]
+    joined = [*known[:kept], *encode(text[len(spelled) :])]
+    return joined if decode(joined) == text else plain
 
 
 def longest_spelled_prefix(text: str, known: list[int], decode: Decode) -> int:

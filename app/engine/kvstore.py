@@ -107,8 +107,7 @@ class KVStore:
         taken: checkpoints.Taken | None = None,
     ) -> SaveReport:
         """Write what the files lack of `cache` (holding `tokens`); `taken`: a checkpoint
-        taken at the turn's prompt end (`checkpoints.take`), for a cache of windows or
-        states whose next turn will not go on from the end of this one."""
+        taken during the turn (`checkpoints.take`, app/engine/prompt_checkpoints.py)."""
         started = time.perf_counter()
         if cache and tokens and not snapshots.is_chunkable(cache):
             counts = checkpoints.save(self, conversation_id, tokens, cache, taken)

@@ -101,10 +101,7 @@ def make_next_token(
 
 
 def decode(
-    next_token: Callable[[mx.array], mx.array],
-    prompt_tail: Sequence[int],
-    ahead: bool = True,
-    at_prompt_end: Callable[[], None] = lambda: None,
+    next_token: Callable[[mx.array], mx.array], prompt_tail: Sequence[int], ahead: bool = True
 ) -> Iterator[int]:
     """Generated token ids, one at a time, for as long as the caller takes them.
 
@@ -114,15 +111,10 @@ def decode(
     the token. Where a step is computed at once, in the call (the CPU path's numpy
     layers and BLAS products), that would keep each token until the next one was
     computed, a whole step later; there a token is handed out first and fed when the
-    caller asks for the next one, or stops. `at_prompt_end` is called while the cache
-    holds the whole prompt and no generated token: before the second step is queued,
-    or, where steps are computed in the call, once the first token is handed out.
+    caller asks for the next one, or stops.
     """
     y = next_token(mx.array(prompt_tail))  # the last prompt tokens, at least one
     mx.async_eval(y)
-    if ahead:
-        at_prompt_end()
-    first = True
     while True:
         if ahead:
             next_y = next_token(y)
@@ -131,12 +123,8 @@ def decode(
         try:
             yield token
         except GeneratorExit:
-            if first and not ahead:
-                at_prompt_end()
             mx.eval(next_y if ahead else next_token(y))  # the cache settles
             raise
         if not ahead:
-            if first:
-                at_prompt_end()
             next_y = next_token(y)
-        y, first = next_y, False
+        y = next_y
