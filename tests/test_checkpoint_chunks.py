@@ -387,10 +387,13 @@ def test_a_template_that_rewrites_replies_resumes_from_before_the_generation_pro
     assert finished.text == fresh_reply(channel_model, messages[:-1], OPTIONS)
 
     # The engine that never closed holds the first turn's end, which it cannot cut
-    # back to: it goes to the same checkpoint. So does the reply asked again.
+    # back to: it goes back to the same point in memory, its attention layers cut
+    # and its windows from the checkpoint it took, to the very cache the reopened
+    # engine built from the files. So does the reply asked again.
     user = reopened.store.message(finished.message_id).parent_id
     for events in (engine.edit(user, LATER, OPTIONS), engine.regenerate(conversation.id, OPTIONS)):
         again = next(e for e in list(events) if isinstance(e, ReplyFinished))
-        assert again.restore.source == "disk"
+        assert again.restore.source == "memory"
         assert again.stats.reused_tokens >= messages_end
         assert again.text == finished.text
+        assert_identical(engine.session.cache, reopened.session.cache)

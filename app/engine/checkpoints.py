@@ -76,6 +76,27 @@ def take(store: KVStore, cache: list, tokens: int) -> Taken:
     return Taken(tokens, tensors, layout, fmt)
 
 
+def resume(store: KVStore, cache: list, taken: Taken) -> list:
+    """The live `cache` back at `taken.tokens`, in memory: its chunked layers cut back
+    there, the others from `taken`, as a restore from the files would have them. The
+    live layers are only cut once the checkpoint has passed its checks."""
+    template = make_prompt_cache(store.loaded.model)
+    tensors = {name: mx.array(array) for name, array in taken.tensors.items()}
+    shapes = store.loaded.attention_shapes
+    restored, in_chunks = snapshots.restore_checkpoint(template, tensors, taken.layout, shapes)
+    parts = cache_parts(cache)
+    live = {slot: parts[slot] for slot in in_chunks}
+    if any(type(layer).__name__ != in_chunks[slot] for slot, layer in live.items()):
+        raise CacheRejected("the checkpoint and the cache disagree on the layers")
+    if any(layer.offset < taken.tokens for layer in live.values()):
+        raise CacheRejected("the cache is shorter than the checkpoint")
+    for slot, layer in live.items():
+        layer.trim(layer.offset - taken.tokens)
+        snapshots.put_part(restored, slot, layer)
+    mx.eval([layer.state for layer in restored])
+    return restored
+
+
 def _chunked_slots(store: KVStore, cache: list) -> tuple[str | None, list[int]]:
     """The chunks' format, and the slots of the layers they hold (none without one)."""
     fmt = chunk_format(cache, store.sixteen_bit)

@@ -10,16 +10,13 @@ reply is complete saves the cache's new chunks.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import sqlite_utils
-from mlx_lm.models.cache import make_prompt_cache
 
 from app.engine.cache_keys import SNAPSHOT
 from app.engine.chat import ChatSession, Event
-from app.engine.checkpoints import Taken
 from app.engine.generation import (
     KVSettings,
     TextDelta,
@@ -29,8 +26,8 @@ from app.engine.generation import (
 from app.engine.kvscheme import usable_format
 from app.engine.kvstore import KVStore, SaveReport
 from app.engine.loading import LoadedModel
-from app.engine.prompt_checkpoints import PromptCheckpoint
-from app.engine.snapshots import can_trim, is_chunkable
+from app.engine.prompt_checkpoints import PromptCheckpoints
+from app.engine.snapshots import can_trim
 from app.engine.steps import reusable_prefix
 from app.engine.turns import (
     CacheSaved,
@@ -43,8 +40,6 @@ from app.engine.turns import (
 from sessions.cachefiles import CacheIndex, ConversationCache, DiskFull
 from sessions.conversations import ConversationStore, ReplyWriter
 from sessions.measurements import Measurements
-
-log = logging.getLogger(__name__)
 
 READ_BANDWIDTH = "read_bytes_per_s"
 # Below this many tokens the planner does not bother: restoring is always cheap.
@@ -90,9 +85,8 @@ class ConversationEngine:
         self.loaded = loaded
         self.budget_bytes = budget_bytes
         self._in_memory: int | None = None  # the conversation whose cache `session` holds
-        self._taken: tuple[int, Taken] | None = None  # a checkpoint before a generation prompt
-        # Whether every layer of the model's cache can be cut back to any token.
-        self._cuts_back = is_chunkable(make_prompt_cache(loaded.model))
+        # Checkpoints before generation prompts, for the chats that need them.
+        self.prompt_checkpoints = PromptCheckpoints(self.kvstore, self.session)
 
     # -- the three ways to get a reply ----------------------------------------
 
@@ -247,7 +241,6 @@ class ConversationEngine:
     ) -> Iterator[Event | ReplyFinished]:
         """Stream the reply into `writer`'s message, after the text it already has."""
         before = writer.text
-        self._taken = None
         lead = ""  # a fresh detokenizer drops a continuation's leading space; put it back
         first = True
         try:
@@ -257,7 +250,7 @@ class ConversationEngine:
                 kv=options.kv,
                 should_stop=should_stop,
                 max_context=options.max_context,
-                checkpoint=self._prompt_checkpoint(conversation_id, prompt),
+                checkpoint=self.prompt_checkpoints.for_turn(conversation_id, prompt),
             ):
                 if isinstance(event, TextDelta):
                     if first and before:
@@ -286,31 +279,9 @@ class ConversationEngine:
         spelled = self.loaded.tokenizer.decode(generated) if generated else ""
         return " " if spelled.startswith(" ") and not first_text.startswith(" ") else ""
 
-    def _prompt_checkpoint(
-        self, conversation_id: int, prompt: list[int]
-    ) -> PromptCheckpoint | None:
-        """Where this turn keeps a checkpoint besides its end (app/engine/prompt_checkpoints):
-        before the generation prompt, for a model whose cache cannot be cut back and
-        whose template does not write replies back as they were written."""
-        if self._cuts_back or self.session.template.writes_replies_back:
-            return None
-        end = self.session.template.history_end(prompt)
-        if end is None:
-            return None
-        return PromptCheckpoint(end, lambda cache: self._take(conversation_id, cache, end))
-
-    def _take(self, conversation_id: int, cache: list, tokens: int) -> None:
-        """Keep the cache's checkpoint at `tokens` for the turn's save. A failure costs
-        the next turn's speed, never this reply."""
-        try:
-            self._taken = (conversation_id, self.kvstore.take_checkpoint(cache, tokens))
-        except Exception:
-            log.exception("no checkpoint before the generation prompt")
-
     def save(self, conversation_id: int) -> CacheSaved:
         """Write the cache's new chunks; a failure here costs speed later, never text."""
-        taken, self._taken = self._taken, None
-        taken = taken[1] if taken and taken[0] == conversation_id else None
+        taken = self.prompt_checkpoints.for_save(conversation_id)
         try:
             report = self.kvstore.save(
                 conversation_id, self.session.tokens, self.session.cache, taken
@@ -351,6 +322,11 @@ class ConversationEngine:
             if cut and self.session.cache_usable(kv):
                 # What this turn keeps: a regenerate or an edit cuts the cache back.
                 return RestoreInfo(source="memory", tokens=usable)
+            resumed = self.session.cache_usable(kv) and self.prompt_checkpoints.resume(
+                conversation_id, usable
+            )
+            if resumed:
+                return RestoreInfo(source="memory", tokens=len(self.session.tokens))
             # An edit or a regenerate before the end of a cache that cannot be cut
             # back (resume from the checkpoint on disk before the change), or a cache
             # of another KV setting's format.

@@ -126,6 +126,10 @@ class KVStore:
         """A checkpoint of `cache` as it is now, at `tokens`, for a later `save`."""
         return checkpoints.take(self, cache, tokens)
 
+    def resume(self, cache: list, taken: checkpoints.Taken) -> list:
+        """The live `cache` back at a checkpoint taken from it (`checkpoints.resume`)."""
+        return checkpoints.resume(self, cache, taken)
+
     def write_chunks(
         self, previous: ConversationCache | None, fmt: str, tokens: list[int], cache: list
     ) -> tuple[list[str], int, int, int]:

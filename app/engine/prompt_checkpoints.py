@@ -13,14 +13,29 @@ For those templates a turn also keeps a checkpoint where its messages end and th
 generation prompt begins: every later prompt of the branch begins with it, and so
 does the same prompt asked again (a regenerate). The prefill stops there for it
 (`ChatSession.generate`); the few tokens of the generation prompt go with the first
-decode step, as a short prompt's do.
+decode step, as a short prompt's do. The engine that ran the turn keeps the last one
+in memory too: the chat's next turn goes back to it without reading the files.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from app.engine.snapshots import is_chunkable
+from sessions.cachefiles import CacheRejected
+
+if TYPE_CHECKING:
+    from app.engine.chat import ChatSession
+    from app.engine.checkpoints import Taken
+    from app.engine.kvstore import KVStore
+
+log = logging.getLogger(__name__)
 
 # Replies a template is asked to write back (`TemplateFacts.writes_replies_back`).
 PROBE_REPLIES = ("Fine, thanks.", "<think>\nA greeting.\n</think>\n\nFine, thanks.")
@@ -84,3 +99,63 @@ class TemplateFacts:
             return self._template(messages, add_generation_prompt=opened, tokenize=False)
         except Exception:  # a template's own error (jinja2 raises its kinds)
             return None
+
+
+class PromptCheckpoints:
+    """One engine's checkpoints before generation prompts: whether a turn takes one,
+    the one taken in the turn under way (written with its save), and the last saved,
+    which the chat's next turn goes back to in memory."""
+
+    def __init__(self, kvstore: KVStore, session: ChatSession) -> None:
+        self.kvstore, self.session = kvstore, session
+        # Whether every layer of the model's cache can be cut back to any token.
+        self._cuts_back = is_chunkable(make_prompt_cache(kvstore.loaded.model))
+        self._taken: tuple[int, Taken] | None = None
+        self._last: tuple[int, list[int], Taken] | None = None  # with its tokens
+
+    def for_turn(self, conversation_id: int, prompt: list[int]) -> PromptCheckpoint | None:
+        """Where this turn takes one: before its generation prompt, for a model whose
+        cache cannot be cut back and whose template does not write replies back as
+        they were written; None for the others."""
+        self._taken = None
+        if self._cuts_back or self.session.template.writes_replies_back:
+            return None
+        end = self.session.template.history_end(prompt)
+        if end is None:
+            return None
+        return PromptCheckpoint(end, lambda cache: self._take(conversation_id, cache, end))
+
+    def _take(self, conversation_id: int, cache: list, tokens: int) -> None:
+        """A failure costs the next turn's speed, never this reply."""
+        try:
+            self._taken = (conversation_id, self.kvstore.take_checkpoint(cache, tokens))
+        except Exception:
+            log.exception("no checkpoint before the generation prompt")
+
+    def for_save(self, conversation_id: int) -> Taken | None:
+        """The checkpoint this turn took, for the save of the session's cache; kept as
+        the one the chat's next turn goes back to."""
+        taken, self._taken = self._taken, None
+        taken = taken[1] if taken and taken[0] == conversation_id else None
+        tokens = self.session.tokens[: taken.tokens] if taken else []
+        self._last = (conversation_id, tokens, taken) if taken else None
+        return taken
+
+    def resume(self, conversation_id: int, usable: int) -> bool:
+        """Take the session's cache back to the last checkpoint, in memory, when that
+        is within the `usable` tokens it shares with the turn's prompt."""
+        if self._last is None or self._last[0] != conversation_id:
+            return False
+        _, tokens, taken = self._last
+        if len(tokens) > usable or self.session.tokens[: len(tokens)] != tokens:
+            return False
+        try:
+            cache = self.kvstore.resume(self.session.cache, taken)
+        except CacheRejected:
+            return False
+        except Exception:  # its layers may be cut back by now: the files are the way
+            log.exception("no resume in memory")
+            self.session.reset()
+            return False
+        self.session.cache, self.session.tokens = cache, tokens
+        return True
