@@ -222,7 +222,10 @@ class MixedKVCache:
         self._setup(replace(parse_format(fmt), window=int(window)), max_size, int(keep))
         for part, bulk in enumerate((bulk_k, bulk_v)):
             if bulk is not None:
-                self.bulk[part].append_encoded(list(bulk) if isinstance(bulk, tuple) else [bulk])
+                parts = list(bulk) if isinstance(bulk, tuple) else [bulk]
+                if len(parts) != (1 if self.bulk[part].bits is None else 3):
+                    raise ValueError("the stored tokens do not match the format")  # a file's
+                self.bulk[part].append_encoded(parts)
         self.offset, self.count = int(offset), len(self.bulk[0])
         pairs = ((sink_k, sink_v), (recent_k, recent_v))
         copies = [a.shape[2] for pair in pairs for a in pair if a is not None]

@@ -108,12 +108,22 @@ def _first_value_item(layout: list) -> list:
     return next(item for spec in layout for item in spec.get("items", []) if item[0] == "value")
 
 
+def _a_sixteen_bit_bulk_named_twice(layout: list) -> None:
+    """A 16-bit window layer's stored tokens listed as two arrays (a name duplicated):
+    it took them, and failed at the next token (seed 10, 1,000 trials)."""
+    spec = next(spec for spec in layout if spec.get("class") == "MixedKVCache" and "items" in spec)
+    kind, names = spec["items"][1]
+    assert kind == "arrays" and len(names) == 1  # the 16 bits of the CPU path: one array
+    names.append(names[0])
+
+
 FOUND = {  # what the fuzz found: each escaped the restore as another exception
     "a class name that is not a string": lambda layout: layout[0].update({"class": {}}),
     "a count that is an array": lambda layout: _first_value_item(layout).__setitem__(
         slice(None), ["array", layout[0]["items"][0][1]]
     ),
     "a count past 32 bits": lambda layout: _first_value_item(layout).__setitem__(1, 2**31),
+    "a 16-bit bulk named twice": _a_sixteen_bit_bulk_named_twice,
 }
 
 
