@@ -15,7 +15,8 @@ from test_families import assert_identical
 from app.engine.codecs import is_window_copy
 from app.engine.conversation import TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
-from app.engine.kvquant import MixedKVCache, quantized_at
+from app.engine.kvquant import MixedKVCache
+from app.engine.kvwindow import quantized_at
 from sessions.cachefiles import CacheIndex, path_from_url
 from sessions.db import open_db
 

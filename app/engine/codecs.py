@@ -17,8 +17,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from app.engine.cache_keys import cache_parts
-from app.engine.kvquant import MixedKVCache, tail_rows_at
+from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import KVScheme, parse_format
+from app.engine.kvwindow import tail_rows_at
 from app.engine.layer_runs import Run, label, stack_runs
 from app.engine.stored_arrays import stored_type, to_numpy
 from app.engine.tokenstore import STEP, as_dtype

@@ -33,7 +33,6 @@ the first `keep`. Tokens are always held in temporal order.
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import cache
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -41,44 +40,9 @@ from mlx_lm.models.cache import create_attention_mask
 
 from app.engine import kvattention
 from app.engine.kvattention import PackedLayout, PackedRead
-from app.engine.kvscheme import APP_SCHEMES, KVScheme, parse_format
+from app.engine.kvscheme import KVScheme, parse_format
+from app.engine.kvwindow import FLUSH, app_window, flush_block, quantized_at, tail_rows_at
 from app.engine.tokenstore import TokenStore, as_dtype, joined, layer_rows, sixteen_bit
-
-FLUSH = 32  # tokens quantized at a time once older than the window
-
-
-def quantized_at(count: int, window: int, scheme: KVScheme) -> int:
-    """How many positions a layer of `scheme` holds quantized once `count` are stored:
-    whole blocks (`flush_block`) of tokens older than the window. A function of the
-    count alone, however the tokens arrived, so a cache rebuilt from its files is the
-    live one."""
-    block = flush_block(scheme)
-    return max(0, (count - window) // block * block)
-
-
-def flush_block(scheme: KVScheme) -> int:
-    """Tokens quantized at a time: FLUSH, or one where both halves stay 16-bit
-    (`SIXTEEN_BIT`, the CPU path's 16 bits). Its "quantizing" is a copy, so a token
-    goes to the bulk at once: the layer never holds a second copy of its recent rows,
-    and a save never writes one."""
-    return 1 if scheme.key_bits is None and scheme.value_bits is None else FLUSH
-
-
-@cache
-def app_window(scheme: KVScheme) -> int:
-    """The 16-bit window the app runs `scheme` with: a saved format does not name it
-    (it is a setting of the app's 8-bit and 4-bit, the same for every group size).
-    Asked for each run of layers of each chunk a restore reads: found once a scheme."""
-    for app_scheme in APP_SCHEMES.values():
-        if replace(app_scheme, group_size=scheme.group_size, window=0) == replace(scheme, window=0):
-            return app_scheme.window
-    return scheme.window
-
-
-def tail_rows_at(count: int, scheme: KVScheme) -> int:
-    """How many 16-bit rows after the sink a layer holds at `count` tokens."""
-    window = app_window(scheme)
-    return max(0, count - max(quantized_at(count, window, scheme), scheme.sink))
 
 
 class MixedKVCache:

@@ -47,8 +47,8 @@ from app.engine.codecs import (
     stored_dtype,
     stored_format,
 )
-from app.engine.kvquant import tail_rows_at
 from app.engine.kvscheme import parse_format
+from app.engine.kvwindow import tail_rows_at
 from app.engine.loading import LoadedModel
 from app.engine.stored_arrays import device_apart, to_device
 from sessions.cachefiles import (
