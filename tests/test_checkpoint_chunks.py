@@ -397,3 +397,29 @@ def test_a_template_that_rewrites_replies_resumes_from_before_the_generation_pro
         assert again.stats.reused_tokens >= messages_end
         assert again.text == finished.text
         assert_identical(engine.session.cache, reopened.session.cache)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_chat_goes_back_in_memory_to_the_cache_the_files_give(channel_model, bits):
+    """Past the 16-bit window, the attention layers cut back in memory hold what the
+    files rebuild: the same codes, the same 16-bit rows, the same next reply."""
+    options = TurnOptions(sampling=SamplingSettings.greedy(40), kv=KVSettings(bits, 32))
+    long_message = " ".join([FIRST] * 16)  # ~250 tokens: rows leave the window
+
+    def finished(events) -> ReplyFinished:
+        return next(e for e in list(events) if isinstance(e, ReplyFinished))
+
+    engine = ConversationEngine(open_db(), channel_model)
+    conversation = engine.store.create(channel_model.name)
+    finished(engine.send(conversation.id, long_message, options))
+    held = engine.session.cache
+    assert any(layer.max_size is None and layer.quantized() > 0 for layer in held)  # global
+
+    reopened = ConversationEngine(open_db(), channel_model)
+    from_files = finished(reopened.send(conversation.id, LATER, options))
+    user = reopened.store.message(from_files.message_id).parent_id
+    in_memory = finished(engine.edit(user, LATER, options))
+    assert (from_files.restore.source, in_memory.restore.source) == ("disk", "memory")
+    assert in_memory.stats.reused_tokens == from_files.stats.reused_tokens
+    assert in_memory.text == from_files.text
+    assert_identical(engine.session.cache, reopened.session.cache)
