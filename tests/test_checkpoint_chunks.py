@@ -423,3 +423,28 @@ def test_a_quantized_chat_goes_back_in_memory_to_the_cache_the_files_give(channe
     assert in_memory.stats.reused_tokens == from_files.stats.reused_tokens
     assert in_memory.text == from_files.text
     assert_identical(engine.session.cache, reopened.session.cache)
+
+
+def test_a_prefetch_stops_where_the_next_turn_of_a_rewriting_template_goes_on(channel_model):
+    """Selecting such a chat restores up to before its last generation prompt, so that
+    the message then sent starts from memory (it restored to the end, and the turn went
+    to the files again for the earlier checkpoint)."""
+    engine = ConversationEngine(open_db(), channel_model)
+    conversation = engine.store.create(channel_model.name)
+    turn(engine, conversation.id, FIRST)
+    asked = [{"role": "user", "content": FIRST}]
+    messages_end = len(channel_model.tokenizer.apply_chat_template(asked))
+
+    reopened = ConversationEngine(open_db(), channel_model)
+    prefetched = reopened.prefetch(conversation.id, OPTIONS.kv)
+    assert (prefetched.source, prefetched.tokens) == ("disk", messages_end)
+    finished, _ = turn(reopened, conversation.id, LATER)
+    assert finished.restore.source == "memory"
+    assert finished.stats.reused_tokens == messages_end
+    assert finished.text == fresh_reply(
+        channel_model, asked_then(reopened, conversation.id), OPTIONS
+    )
+
+
+def asked_then(engine: ConversationEngine, conversation_id: int) -> list[dict]:
+    return engine.store.get(conversation_id).chat_messages()[:-1]

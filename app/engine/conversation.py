@@ -344,14 +344,17 @@ class ConversationEngine:
         """Restore a conversation's whole saved cache now, while the user reads and
         types, so that its next turn starts from memory as if it had never closed.
         No planner: the time is the user's, not the reply's. (The next turn trims what
-        its prompt does not share, or goes back to disk for a cache that cannot be cut.)"""
+        its prompt does not share, or goes back to disk for a cache that cannot be cut.)
+        Where the next turn will go on from before the last generation prompt rather than
+        from the end (`PromptCheckpoints.next_turn_start`), the restore stops there."""
         if self._holds(conversation_id):
             return RestoreInfo(source="memory", tokens=len(self.session.tokens))
         entry = self.index.conversation(conversation_id)
         refused = self._drop_and_check(conversation_id, entry, kv)
         if refused is not None:
             return refused
-        return self._restore(entry, len(entry.tokens), (None, None))
+        usable = self.prompt_checkpoints.next_turn_start(entry) or len(entry.tokens)
+        return self._restore(entry, usable, (None, None))
 
     def _drop_and_check(
         self, conversation_id: int, entry: ConversationCache | None, kv: KVSettings

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from app.engine.chat import ChatSession
     from app.engine.checkpoints import Taken
     from app.engine.kvstore import KVStore
+    from sessions.cachefiles import ConversationCache
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +114,26 @@ class PromptCheckpoints:
         self._taken: tuple[int, Taken] | None = None
         self._last: tuple[int, list[int], Taken] | None = None  # with its tokens
 
+    @property
+    def needed(self) -> bool:
+        """Whether turns take one: the model's cache cannot be cut back and its template
+        does not write replies back as they were written."""
+        return not self._cuts_back and not self.session.template.writes_replies_back
+
+    def next_turn_start(self, entry: ConversationCache) -> int | None:
+        """Where the saved conversation's next turn will go on from, when that is the
+        checkpoint before its last generation prompt (the one before its last): a
+        prefetch restores that far, not to the end the next prompt parts from."""
+        if not self.needed or len(entry.checkpoint_keys) < 2:
+            return None
+        row = self.kvstore.index.chunk(entry.checkpoint_keys[-2])
+        return row["token_end"] if row else None
+
     def for_turn(self, conversation_id: int, prompt: list[int]) -> PromptCheckpoint | None:
-        """Where this turn takes one: before its generation prompt, for a model whose
-        cache cannot be cut back and whose template does not write replies back as
-        they were written; None for the others."""
+        """Where this turn takes one: before its generation prompt, where `needed`;
+        None for the others."""
         self._taken = None
-        if self._cuts_back or self.session.template.writes_replies_back:
+        if not self.needed:
             return None
         end = self.session.template.history_end(prompt)
         if end is None:
