@@ -23,6 +23,13 @@ def click_chat(qtbot, window, conversation_id):
     raise AssertionError(f"chat {conversation_id} is not in the list")
 
 
+def switch_to(qtbot, window, conversation_id) -> str:
+    """Click the chat's row, wait until it is on screen; the message box's text."""
+    click_chat(qtbot, window, conversation_id)
+    qtbot.waitUntil(lambda: window.conversation_id == conversation_id, timeout=10_000)
+    return window.composer.edit.toPlainText()
+
+
 def two_chats(qtbot, window) -> tuple[int, int]:
     send(qtbot, window, "Tell me about penguins.", greedy_tokens=4)
     first = window.conversation_id
@@ -36,18 +43,12 @@ def test_each_chat_keeps_its_own_draft(qtbot, open_window):
     first, second = two_chats(qtbot, window)
     box = window.composer.edit
     qtbot.keyClicks(box, "and their eggs?")  # typed into the second chat, not sent
-    click_chat(qtbot, window, first)
-    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
-    assert box.toPlainText() == ""  # the other chat's text did not follow
+    assert switch_to(qtbot, window, first) == ""  # the other chat's text did not follow
     qtbot.keyClicks(box, "and their feathers?")
-    click_chat(qtbot, window, second)
-    qtbot.waitUntil(lambda: window.conversation_id == second, timeout=10_000)
-    assert box.toPlainText() == "and their eggs?"
+    assert switch_to(qtbot, window, second) == "and their eggs?"
     window.new_chat()
     assert box.toPlainText() == ""
-    click_chat(qtbot, window, first)
-    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
-    assert box.toPlainText() == "and their feathers?"
+    assert switch_to(qtbot, window, first) == "and their feathers?"
     # Enter sends this chat's draft into this chat, and the draft is gone.
     qtbot.keyClick(box, Qt.Key.Key_Return)
     wait_reply(qtbot, window)
@@ -60,17 +61,14 @@ def test_a_draft_outlives_a_restart_and_a_sent_one_does_not(qtbot, open_window):
     window = open_window()
     first, second = two_chats(qtbot, window)
     qtbot.keyClicks(window.composer.edit, "unfinished")
-    click_chat(qtbot, window, first)
-    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
+    switch_to(qtbot, window, first)
     qtbot.keyClicks(window.composer.edit, "also unfinished")
     window.close()  # Ctrl+Q
 
     again = open_window()  # opens the chat with the latest message: the second
     assert again.conversation_id == second
     assert again.composer.edit.toPlainText() == "unfinished"
-    click_chat(qtbot, again, first)
-    qtbot.waitUntil(lambda: again.conversation_id == first, timeout=10_000)
-    assert again.composer.edit.toPlainText() == "also unfinished"
+    assert switch_to(qtbot, again, first) == "also unfinished"
     qtbot.keyClick(again.composer.edit, Qt.Key.Key_Return)
     wait_reply(qtbot, again)
     again.close()
@@ -78,9 +76,7 @@ def test_a_draft_outlives_a_restart_and_a_sent_one_does_not(qtbot, open_window):
     third = open_window()  # the first chat has the latest message now, and nothing unsent
     assert third.conversation_id == first
     assert third.composer.edit.toPlainText() == ""
-    click_chat(qtbot, third, second)
-    qtbot.waitUntil(lambda: third.conversation_id == second, timeout=10_000)
-    assert third.composer.edit.toPlainText() == "unfinished"
+    assert switch_to(qtbot, third, second) == "unfinished"
 
 
 def test_a_chat_being_replied_to_stays_on_screen_and_says_how_to_leave(qtbot, open_window):
@@ -96,8 +92,7 @@ def test_a_chat_being_replied_to_stays_on_screen_and_says_how_to_leave(qtbot, op
 
     qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
     wait_reply(qtbot, window)
-    click_chat(qtbot, window, first)
-    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
+    switch_to(qtbot, window, first)
 
 
 def test_a_chat_reopened_with_the_app_shows_its_latest_message(qtbot, open_window):
@@ -128,12 +123,8 @@ def test_a_chat_sent_to_stays_on_screen_before_its_reply_starts(qtbot, open_wind
     wait_reply(qtbot, window)
     third = window.conversation_id
     assert third not in (None, first, second)
-    click_chat(qtbot, window, first)
-    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)
-    assert window.composer.edit.toPlainText() == ""
-    click_chat(qtbot, window, third)
-    qtbot.waitUntil(lambda: window.conversation_id == third, timeout=10_000)
-    assert window.composer.edit.toPlainText() == "and ducks?"
+    assert switch_to(qtbot, window, first) == ""
+    assert switch_to(qtbot, window, third) == "and ducks?"
 
 
 def test_a_deleted_chats_draft_goes_with_it(qtbot, open_window):

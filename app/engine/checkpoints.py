@@ -127,11 +127,10 @@ def save(
     if taken and not (0 < taken.tokens < len(tokens) and taken.fmt == fmt):
         taken = None
     fmt = fmt or SNAPSHOT
-    points = [
-        (len(tokens), lambda: snapshots.snapshot(cache, slots, _window_type(store.sixteen_bit)))
-    ]
-    if taken:  # the earlier one first: `pick` takes the last that fits
-        points.insert(0, (taken.tokens, lambda: (taken.tensors, taken.layout)))
+    # In token order: `pick` takes the last that fits.
+    points = [(taken.tokens, lambda: (taken.tensors, taken.layout))] if taken else []
+    window_type = _window_type(store.sixteen_bit)
+    points.append((len(tokens), lambda: snapshots.snapshot(cache, slots, window_type)))
     new_keys = []
     for end, contents in points:
         key, size_written = _write_checkpoint(store, fmt, tokens[:end], len(cache), contents)

@@ -318,15 +318,12 @@ class ConversationEngine:
         if self._holds(conversation_id):
             held = self.session.tokens
             usable = reusable_prefix(held, prompt)
-            cut = usable == len(held) or can_trim(self.session.cache)
-            if cut and self.session.cache_usable(kv):
-                # What this turn keeps: a regenerate or an edit cuts the cache back.
-                return RestoreInfo(source="memory", tokens=usable)
-            resumed = self.session.cache_usable(kv) and self.prompt_checkpoints.resume(
-                conversation_id, usable
-            )
-            if resumed:
-                return RestoreInfo(source="memory", tokens=len(self.session.tokens))
+            if self.session.cache_usable(kv):
+                if usable == len(held) or can_trim(self.session.cache):
+                    # What this turn keeps: a regenerate or an edit cuts the cache back.
+                    return RestoreInfo(source="memory", tokens=usable)
+                if self.prompt_checkpoints.resume(conversation_id, usable):
+                    return RestoreInfo(source="memory", tokens=len(self.session.tokens))
             # An edit or a regenerate before the end of a cache that cannot be cut
             # back (resume from the checkpoint on disk before the change), or a cache
             # of another KV setting's format.

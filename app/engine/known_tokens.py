@@ -40,10 +40,7 @@ def prompt_tokens(
     # Tokens after an added token (a chat marker) mostly encode alone as they do in
     # context: the tokenizer splits those out first. Not always (a marker that eats the
     # space after it, a first word spelled with a leading space): checked.
-    spelled = decode(known[:kept])
-    if not text.startswith(spelled):
-        return plain
-    joined = [*known[:kept], *encode(text[len(spelled) :])]
+    joined = [*known[:kept], *encode(text[len(decode(known[:kept])) :])]
     return joined if decode(joined) == text else plain
 
 

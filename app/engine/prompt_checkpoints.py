@@ -150,10 +150,11 @@ class PromptCheckpoints:
     def for_save(self, conversation_id: int) -> Taken | None:
         """The checkpoint this turn took, for the save of the session's cache; kept as
         the one the chat's next turn goes back to."""
-        taken, self._taken = self._taken, None
-        taken = taken[1] if taken and taken[0] == conversation_id else None
-        tokens = self.session.tokens[: taken.tokens] if taken else []
-        self._last = (conversation_id, tokens, taken) if taken else None
+        pending, self._taken, self._last = self._taken, None, None
+        if pending is None or pending[0] != conversation_id:
+            return None
+        taken = pending[1]
+        self._last = (conversation_id, self.session.tokens[: taken.tokens], taken)
         return taken
 
     def resume(self, conversation_id: int, usable: int) -> bool:
