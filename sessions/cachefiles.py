@@ -220,22 +220,27 @@ class CacheIndex:
     def forget_conversation(self, conversation_id: int) -> None:
         self.db["conversation_caches"].delete_where("conversation_id = ?", [conversation_id])
 
-    def ends_elsewhere(self, key: str, conversation_id: int) -> bool:
-        """Whether another conversation's cache ends at chunk `key`. Only the key lists
-        are read (a save asks it, and the token lists grow with every chat); a damaged
-        list counts as ending there, the cautious answer."""
+    def lengths_elsewhere(self, key: str, conversation_id: int) -> list[int | None]:
+        """How many tokens each other conversation whose cache holds chunk `key` has
+        (None for one whose key list is damaged: the cautious answer is that it may
+        hold it, at any length). Only the key lists and the token lists' sizes are
+        read (a save asks it, and the token lists grow with every chat)."""
         rows = self.db.execute(
-            "select chunk_keys from conversation_caches where conversation_id is not ?",
+            "select chunk_keys, length(tokens) / 4 from conversation_caches"
+            " where conversation_id is not ?",
             [conversation_id],
         )
-        for (listed,) in rows:
+        lengths: list[int | None] = []
+        for listed, length in rows:
             try:
                 keys = json.loads(listed)
             except (TypeError, ValueError):
-                return True
-            if isinstance(keys, list) and keys and keys[-1] == key:
-                return True
-        return False
+                keys = None
+            if not isinstance(keys, list) or not isinstance(length, int):
+                lengths.append(None)
+            elif key in keys:
+                lengths.append(length)
+        return lengths
 
     def referenced_keys(self) -> set[str]:
         keys: set[str] = set()

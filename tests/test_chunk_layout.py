@@ -173,6 +173,51 @@ def test_a_file_that_lies_about_its_layers_is_refused_and_the_turn_recomputes(
     assert len(engine.store.get(conversation_id).messages) == 2 * len(TEXTS) + 2
 
 
+def _copy_name(tensors: dict) -> str:
+    return next(name for name in tensors if name.partition(".")[2].startswith("r"))
+
+
+def _copy_reaching_back(tensors: dict, _metadata: dict) -> None:
+    """A copy claiming positions from 0: more rows than a layer ever holds in 16 bits."""
+    name = _copy_name(tensors)
+    array = tensors.pop(name)
+    end = name.rpartition("-")[2][:-1]
+    span, _, part = name.partition(".")
+    tensors[f"{span}.r0-{end}{part[-1]}"] = np.concatenate([array] * 8, axis=3)[..., : int(end), :]
+
+
+def _copy_short_of_its_name(tensors: dict, _metadata: dict) -> None:
+    name = _copy_name(tensors)
+    tensors[name] = tensors[name][..., 1:, :]
+
+
+def _copy_of_another_chunk(tensors: dict, _metadata: dict) -> None:
+    name = _copy_name(tensors)
+    end = name.rpartition("-")[2][:-1]
+    tensors[name.replace(f"-{end}", f"-{int(end) + 1}")] = tensors.pop(name)
+
+
+COPY_LIES = {
+    "a copy reaching back past the tail": (_copy_reaching_back, "has the wrong tensors"),
+    "a copy shorter than its name": (_copy_short_of_its_name, "has the wrong shape"),
+    "a copy ending past its chunk": (_copy_of_another_chunk, "has the wrong tensors"),
+}
+
+
+@pytest.mark.parametrize("lie", COPY_LIES.values(), ids=COPY_LIES.keys())
+def test_a_16_bit_copy_that_does_not_fit_its_chunk_is_refused(tiny_model, lie):
+    change, reason = lie
+    conversation_id = saved(tiny_model, 4)
+    index = CacheIndex(open_db())
+    rewrite_chunk(index, index.conversation(conversation_id).chunk_keys[-1], change)
+
+    engine = new_engine(tiny_model)
+    finished, _ = turn(engine, conversation_id, "are you still there", options(4))
+    assert finished.restore.source == "recompute"
+    assert reason in finished.restore.rejected
+    assert finished.text == fresh_reply(tiny_model, engine, conversation_id, options(4))
+
+
 def test_a_restored_layer_takes_the_next_tokens_into_its_own_buffer(tiny_model):
     """Each restored layer holds a buffer of its own with room after its tokens (the
     CPU path's 16 bits, its tokens all in the bulk), so the next turn's tokens are

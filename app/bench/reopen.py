@@ -131,6 +131,7 @@ def measure(
     if cold:
         evict(cache_files(reopened, conversation.id))
     prefetched = measure_prefetch(loaded, reopened, conversation.id, options)
+    follow_ups = measure_follow_ups(loaded, conversation.id, options, kv_bytes_per_token)
     choice = "recompute" if recompute_is_faster(planned) else "restore"
     chosen = recomputed.stats.ttft_s if choice == "recompute" else restored.ttft_s
     return {
@@ -154,6 +155,7 @@ def measure(
         "planner_choice": choice,  # "restore" too when nothing was measured yet
         "planner_vs_faster": chosen / min(restored.ttft_s, recomputed.stats.ttft_s),
         **prefetched,
+        **follow_ups,
         **peer_row,
     }
 
@@ -197,6 +199,26 @@ def measure_prefetch(
         "prefetch_s": early.seconds,
         "ttft_prefetched_s": after.ttft_s,
         "ttft_in_memory_s": held.ttft_s,
+    }
+
+
+def measure_follow_ups(
+    loaded, conversation_id: int, options: TurnOptions, kv_bytes_per_token: float
+) -> dict:
+    """What a chat that goes on writes: `FOLLOW_UPS` short turns, each saved, their bytes
+    written against the KV bytes of the tokens they added (the one turn measured above
+    may or may not be the one that writes a chunk again: over several, it averages)."""
+    engine = ConversationEngine(open_db(), loaded)
+    written = added = 0
+    for n in range(FOLLOW_UPS):
+        before = len(engine.index.conversation(conversation_id).tokens)
+        _, saved = run_turn(engine, conversation_id, f"And in {n + 3} words?", options)
+        written += saved.report.bytes_written
+        added += len(engine.index.conversation(conversation_id).tokens) - before
+    return {
+        "follow_ups": FOLLOW_UPS,
+        "follow_ups_bytes_written": written,
+        "follow_ups_written_vs_new_kv_bytes": written / (added * kv_bytes_per_token),
     }
 
 
@@ -268,13 +290,15 @@ def _peer(args: argparse.Namespace):
     return run
 
 
-# A history is built up to the target, then two more short turns are asked.
+# A history is built up to the target, then short turns are asked: two, and the follow-ups.
 ROOM_FOR_A_TURN = 256
+FOLLOW_UPS = 8
 HEADER = (
     f"{'history':>8} {'cache MB':>9} {'restore':>8} {'MB/s':>6} {'raw read MB/s':>14} "
     f"{'TTFT restore':>13} {'TTFT recompute':>15} "
     f"{'speedup':>8} {'restore/raw read':>17} {'written/new KV':>15} "
-    f"{'TTFT prefetched':>16} {'TTFT in memory':>15} {'planner':>18}"
+    f"{'TTFT prefetched':>16} {'TTFT in memory':>15} {'planner':>18} "
+    f"{'follow-ups written/new KV':>26}"
 )
 
 
@@ -286,5 +310,6 @@ def row_text(r: dict) -> str:
         f"{r['ttft_recompute_s']:14.3f}s {r['reopen_speedup']:7.1f}x "
         f"{r['restore_vs_raw_read']:16.2f}x {r['written_vs_new_kv_bytes']:14.2f}x "
         f"{r['ttft_prefetched_s']:15.3f}s {r['ttft_in_memory_s']:14.3f}s "
-        f"{r['planner_choice']:>10} {r['planner_vs_faster']:6.2f}x{peer}"
+        f"{r['planner_choice']:>10} {r['planner_vs_faster']:6.2f}x "
+        f"{r['follow_ups_written_vs_new_kv_bytes']:25.2f}x{peer}"
     )

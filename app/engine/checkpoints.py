@@ -121,7 +121,9 @@ def save(
     previous = store.index.conversation(conversation_id)
     keys, written, reused, size = [], 0, 0, 0
     if slots:
-        keys, written, reused, size = store.write_chunks(previous, fmt, tokens, cache)
+        keys, written, reused, size = store.write_chunks(
+            conversation_id, previous, fmt, tokens, cache
+        )
     # A layer quantized during the reply ("full precision until N") is no longer what
     # the taken checkpoint left to chunks: that one would be refused, so it is not kept.
     if taken and not (0 < taken.tokens < len(tokens) and taken.fmt == fmt):

@@ -45,9 +45,9 @@ class ChunkJoin:
             runs, self.pieces = single_layers(runs), single_layers_of(self.pieces)
         specs: dict[tuple, dict[str, TensorSpec]] = {}  # alike runs share theirs
         for run, named in runs.items():
-            what = (classes[run[0]], self.shapes[run[0]])
+            what = (classes[run[0]], self.shapes[run[0]], frozenset(named))
             if what not in specs:
-                specs[what] = CODECS[what[0]].specs(what[1], self.fmt, *span)
+                specs[what] = CODECS[what[0]].specs(what[1], self.fmt, *span, what[2])
             previous = {name: p[-1] for name, p in self.pieces.get(run, {}).items()}
             check_run(run, named, specs[what], previous)
         for run, named in runs.items():

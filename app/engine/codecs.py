@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from app.engine.cache_keys import cache_parts
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import KVScheme, parse_format
-from app.engine.kvwindow import tail_rows_at
+from app.engine.kvwindow import copy_span, tail_rows_at, tail_start_at
 from app.engine.layer_runs import Run, label, stack_runs
 from app.engine.stored_arrays import stored_type, to_numpy
 from app.engine.tokenstore import STEP, as_dtype
@@ -84,7 +84,9 @@ class PlainCodec:
             keys, values = keys.astype(store_as), values.astype(store_as)
         return {"k.0": keys, "v.0": values}
 
-    def specs(self, shape: LayerShape, fmt: str, start: int, end: int) -> dict[str, TensorSpec]:
+    def specs(
+        self, shape: LayerShape, fmt: str, start: int, end: int, names: frozenset = frozenset()
+    ) -> dict[str, TensorSpec]:
         if fmt not in _FLOAT_STORED:
             raise CacheRejected(f"a {self.name} layer in a {fmt} cache")
         dtypes = (_FLOAT_STORED[fmt],)
@@ -134,10 +136,17 @@ class MixedCodec:
 
     name = "MixedKVCache"
 
-    def tensors(self, layer: MixedKVCache, start: int, end: int) -> dict[str, mx.array]:
-        return layer.quantized_tokens(start, end)
+    def tensors(
+        self, layer: MixedKVCache, start: int, end: int, whole_tail: bool = False
+    ) -> dict[str, mx.array]:
+        return layer.quantized_tokens(start, end, whole_tail)
 
-    def specs(self, shape: LayerShape, fmt: str, start: int, end: int) -> dict[str, TensorSpec]:
+    def specs(
+        self, shape: LayerShape, fmt: str, start: int, end: int, names: frozenset = frozenset()
+    ) -> dict[str, TensorSpec]:
+        """What a chunk of tokens [start, end) holds; of the 16-bit copies of its recent
+        rows, those among `names` (the tensors it holds) that fit: "r<first>-<end>k",
+        at most the rows a layer holds in 16 bits at `end` (`tail_start_at`)."""
         scheme = scheme_of(fmt)
         n = end - start
         specs = {}
@@ -158,9 +167,15 @@ class MixedCodec:
                 sink = min(scheme.sink, end)
                 specs[f"s{part}"] = TensorSpec((1, shape.heads, sink, dim), _SIXTEEN_STORED)
             tail = tail_rows_at(end, scheme)
-            if tail:  # the last chunk of a cache: its 16-bit rows after the sink
+            if tail:  # format 4's last chunk of a cache: its 16-bit rows after the sink
                 shape_16 = (1, shape.heads, tail, dim)
                 specs[f"t{end}{part}"] = TensorSpec(shape_16, _SIXTEEN_STORED, optional=True)
+        for name in names:
+            span = copy_span(name, scheme)
+            if span and name[0] == "r" and tail_start_at(end, scheme) <= span[0] < span[1] == end:
+                dim = shape.key_dim if span[2] == "k" else shape.value_dim
+                copy = (1, shape.heads, end - span[0], dim)
+                specs[name] = TensorSpec(copy, _SIXTEEN_STORED, optional=True)
         return specs
 
     def joins(self, name: str) -> bool:
@@ -196,9 +211,9 @@ CODECS = {codec.name: codec for codec in (PlainCodec(), MixedCodec())}
 
 def is_window_copy(name: str) -> bool:
     """Whether a chunk file's tensor ("<first>-<last>.<tensor>", or "<layer>.<tensor>"
-    in format 3) is a 16-bit copy of the recent rows (`MixedCodec`'s "t<end>k" and
-    "t<end>v", held by the last chunk of a save)."""
-    return name.split(".", 1)[-1].startswith("t")
+    in format 3) is a 16-bit copy of recent rows (`MixedCodec`'s "r<first>-<end>k", or
+    format 4's "t<end>k" of a save's last chunk)."""
+    return name.split(".", 1)[-1][:1] in ("r", "t")
 
 
 def stored_format(live: str, sixteen_bit: str | None) -> str:
@@ -235,10 +250,14 @@ def chunk_classes(cache: list) -> tuple[str | None, ...]:
     return tuple(type(part).__name__ if codec_for(part) else None for part in cache_parts(cache))
 
 
-def chunk_tensors(cache: list, start: int, end: int, store_as: mx.Dtype | None = None) -> dict:
+def chunk_tensors(
+    cache: list, start: int, end: int, store_as: mx.Dtype | None = None, whole_tail: bool = False
+) -> dict:
     """Tokens [start, end) of every layer a chunk holds (`chunk_classes`), with layers
     counted as `cache_parts` does and alike neighbours stacked (`stack_runs`), for a
-    chunk file (`store_as`: the type plain layers are saved in; see `stored_format`)."""
+    chunk file (`store_as`: the type plain layers are saved in, see `stored_format`;
+    `whole_tail`: the save's last chunk holds the 16-bit copy of the whole tail,
+    app/engine/recent_copies.py)."""
     layers = []
     for i, layer in enumerate(cache_parts(cache)):
         codec = codec_for(layer)
@@ -247,7 +266,7 @@ def chunk_tensors(cache: list, start: int, end: int, store_as: mx.Dtype | None =
         if isinstance(codec, PlainCodec):
             named = codec.tensors(layer, start, end, store_as)
         else:
-            named = codec.tensors(layer, start, end)
+            named = codec.tensors(layer, start, end, whole_tail)
         layers.append((i, codec.name, {name: to_numpy(a) for name, a in named.items()}))
     return stack_runs(layers)
 

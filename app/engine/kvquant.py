@@ -41,7 +41,17 @@ from mlx_lm.models.cache import create_attention_mask
 from app.engine import kvattention
 from app.engine.kvattention import PackedLayout, PackedRead
 from app.engine.kvscheme import KVScheme, parse_format
-from app.engine.kvwindow import FLUSH, app_window, flush_block, quantized_at, tail_rows_at
+from app.engine.kvwindow import (
+    FLUSH,
+    app_window,
+    copy_name,
+    copy_span,
+    covering_copies,
+    flush_block,
+    quantized_at,
+    tail_rows_at,
+    tail_start_at,
+)
 from app.engine.tokenstore import TokenStore, as_dtype, joined, layer_rows, sixteen_bit
 
 
@@ -73,6 +83,9 @@ class MixedKVCache:
         # trim moved back to 16 bits (`_unflush`): flushed again, or saved, they keep
         # the codes they were first given, as the saved chunks hold them.
         self._coded = 0
+        # Tail positions before this hold dequantized values (`_unflush`), not the ones
+        # computed: a save then writes the whole tail's 16-bit rows again.
+        self._dequantized_end = 0
         self.packed_reads = False  # set by the patched attention (kvattention)
         self.handshake: tuple | None = None
 
@@ -125,6 +138,7 @@ class MixedKVCache:
             self.bulk[part].trim(q - min(q, left))
         self.count = left
         self.offset -= n
+        self._dequantized_end = min(self._dequantized_end, left)
         if not self.front_moves():
             self._unflush(quantized_at(left, self.scheme.window, self.scheme))
         self._coded = 0 if self.front_moves() else min(coded, left)
@@ -137,6 +151,7 @@ class MixedKVCache:
         q, start = self.quantized(), max(until, self.sink_size)
         if start >= q:
             return
+        self._dequantized_end = max(self._dequantized_end, q)
         for part in (0, 1):
             exact, sink_rows = self.exact[part], self._sink_rows()
             dtype = exact.dtype if exact.buffers else self.bulk[part].dtype
@@ -349,24 +364,49 @@ class MixedKVCache:
             count=self.count,
         )
 
-    def quantized_tokens(self, start: int, end: int) -> dict[str, mx.array]:
+    def quantized_tokens(
+        self, start: int, end: int, whole_tail: bool = False
+    ) -> dict[str, mx.array]:
         """Tokens [start, end) of what is stored, as cache files hold them: every one
-        quantized, plus the 16-bit sink in the first chunk and, in the last one
-        (`end` is the whole cache), the 16-bit rows after the sink ("t<end>k"), so
-        that the restored layer is this one."""
+        quantized, plus the 16-bit sink in the first chunk and a 16-bit copy of the
+        chunk's positions in the tail ("r<first>-<end>k", `_copied_from`), so that the
+        layer restored from its chunks is this one."""
         named = {}
-        saved_as = parse_format(self.scheme.format)  # what a reader knows of the scheme
-        tail = end == self.count and self._tail_rows() == tail_rows_at(end, saved_as)
+        first = self._copied_from(start, end, whole_tail)
         for part, prefix in enumerate("kv"):
             for n, array in enumerate(self._all_quantized(part, start, end)):
                 named[f"{prefix}.{n}"] = array
             sink = self._sink(part)
             if start == 0 and sink is not None:
                 named[f"s{prefix}"] = sink
-            rows = self._tail(part)
-            if tail and rows is not None:
-                named[f"t{end}{prefix}"] = rows
+            if first is not None:
+                row = self._exact_row(first)
+                copy = self.exact[part].encoded(row, row + end - first)[0]
+                named[copy_name(first, end, prefix)] = copy
         return named
+
+    def tail_is_dequantized(self) -> bool:
+        """Whether some of the 16-bit tail holds dequantized values (a cut moved rows back
+        from the bulk, `_unflush`), where the chunks' copies hold them as computed."""
+        return self._dequantized_end > self._tail_start()
+
+    def _copied_from(self, start: int, end: int, whole_tail: bool) -> int | None:
+        """Where the 16-bit copy of a chunk of positions [start, end) begins: at its first
+        position in the tail, each chunk its own, so that a turn writes its new rows
+        once; for the last chunk (`end` is the whole cache), at the tail's start when
+        asked (`whole_tail`: the chunks before lack theirs) or when the tail holds
+        dequantized rows (after a cut, where the chunks before hold them as computed).
+        None for no copy: none of its positions is in the tail, or the tail is not the
+        one a reader expects (`tail_rows_at` of the saved format)."""
+        saved_as = parse_format(self.scheme.format)  # what a reader knows of the scheme
+        if self.front_moves() or self._tail_rows() != tail_rows_at(self.count, saved_as):
+            return None
+        tail = self._tail_start()
+        whole = whole_tail or self.tail_is_dequantized()
+        if whole and end < self.count:
+            return None  # the last chunk's copy holds this one's rows
+        first = tail if whole else max(start, tail)
+        return first if first < end else None
 
     @classmethod
     def from_quantized(
@@ -375,15 +415,16 @@ class MixedKVCache:
         """Layers rebuilt from `quantized_tokens` of a whole cache of `count` tokens, for
         a run of layers: the bulk's tensors ("k.0", "v.2") as an array per layer, which
         become the layers' buffers as they are (so they may hold room past `count`); the
-        16-bit sink and recent rows stacked along a first axis, a row per layer (as a
-        chunk file holds them). Without the 16-bit rows (a restore that ends before the
-        conversation does, at a checkpoint; a file written before they were saved) the
-        recent ones come back dequantized, as after a `trim`: the layer is what
-        `quantized_at` says, so that its next save writes a copy a reader takes."""
+        16-bit sink and the chunks' copies of recent rows stacked along a first axis, a
+        row per layer (as a chunk file holds them). Without 16-bit copies of the whole
+        tail (a restore that ends at a checkpoint before the conversation does; a file
+        written before they were saved) the recent rows come back dequantized, as after
+        a `trim`: the layer is what `quantized_at` says, and its next save writes the
+        whole tail's copy."""
         scheme = replace(scheme, window=app_window(scheme))
         layers = [cls(scheme) for _ in range(len(named["k.0"]))]
-        tails = [named.get(f"t{count}{prefix}") for prefix in "kv"]
-        if any(t is None for t in tails) or tails[0].shape[3] != tail_rows_at(count, scheme):
+        tails = [_tail_from_copies(named, prefix, count, scheme) for prefix in "kv"]
+        if any(t is None for t in tails):
             tails = [None, None]
         quantized = count if tails[0] is None else quantized_at(count, scheme.window, scheme)
         sink_rows = min(layers[0].sink_size, count)
@@ -412,3 +453,21 @@ class MixedKVCache:
         dequantized, which quantized again would not always give the same codes)."""
         if not self.front_moves():
             self._coded = self.count
+
+
+def _tail_from_copies(named: dict, part: str, count: int, scheme: KVScheme) -> mx.array | None:
+    """The 16-bit rows of positions [tail_start_at(count), count) of `part` ("k", "v"),
+    layers first, put together from the chunks' copies (`covering_copies`); None when
+    they do not hold every one (or there are none to hold)."""
+    start = tail_start_at(count, scheme)
+    copies = [
+        (span, array)
+        for name, array in named.items()
+        if (span := copy_span(name, scheme)) and span[2] == part
+    ]
+    copies.sort(key=lambda copy: copy[0][1])  # in their chunks' order: by their ends
+    picks = covering_copies([span[:2] for span, _ in copies], start, count)
+    if not picks:
+        return None
+    pieces = [copies[i][1][..., a - copies[i][0][0] : b - copies[i][0][0], :] for i, a, b in picks]
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=3)

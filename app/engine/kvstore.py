@@ -28,7 +28,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.engine import checkpoints, snapshots
+from app.engine import checkpoints, recent_copies, snapshots
 from app.engine.cache_keys import (
     chain_keys,
     grid_ends,
@@ -47,8 +47,6 @@ from app.engine.codecs import (
     stored_dtype,
     stored_format,
 )
-from app.engine.kvscheme import parse_format
-from app.engine.kvwindow import tail_rows_at
 from app.engine.loading import LoadedModel
 from app.engine.stored_arrays import device_apart, to_device
 from sessions.cachefiles import (
@@ -58,7 +56,6 @@ from sessions.cachefiles import (
     path_from_url,
     read_ahead,
     read_file,
-    tensor_names,
     write_file,
 )
 
@@ -118,7 +115,9 @@ class KVStore:
             return SaveReport()
         fmt = stored_format(live, self.sixteen_bit)
         previous = self.index.conversation(conversation_id)
-        keys, written, reused, size = self.write_chunks(previous, fmt, tokens, cache)
+        keys, written, reused, size = self.write_chunks(
+            conversation_id, previous, fmt, tokens, cache
+        )
         self.point_conversation(conversation_id, fmt, tokens, keys)
         return SaveReport(written, reused, size, time.perf_counter() - started)
 
@@ -131,67 +130,60 @@ class KVStore:
         return checkpoints.resume(self, cache, taken)
 
     def write_chunks(
-        self, previous: ConversationCache | None, fmt: str, tokens: list[int], cache: list
+        self,
+        conversation_id: int,
+        previous: ConversationCache | None,
+        fmt: str,
+        tokens: list[int],
+        cache: list,
     ) -> tuple[list[str], int, int, int]:
         """The chunks of `cache`'s layers that chunks hold (`chunk_classes`), in `fmt`:
-        those of the `previous` save that `tokens` still begin with are kept, the tokens
-        after them written. (keys in order, chunks written, chunks reused, bytes)."""
+        those of the conversation's `previous` save that `tokens` still begin with
+        are kept, the tokens after them written, and the 16-bit copies of recent rows
+        looked after (`recent_copies`). (keys in order, chunks written, chunks
+        reused, bytes)."""
         ends = self._chunk_ends(previous, fmt, tokens)
         chunks = chain_keys(self.fingerprint, fmt, tokens, ends)
+        kept = {key for key, _, _ in chunks if self.have(key)}
+        copies = recent_copies.plan(self, conversation_id, previous, fmt, chunks, kept)
+        if copies.whole_tail:
+            kept.discard(chunks[-1][0])  # written again, with the whole tail
         classes = chunk_classes(cache)
-        written = size = 0
-        existing = []
-        continued = self._continued_tail(previous, chunks)
-        for key, start, end in chunks:
-            windowless = end == len(tokens) and self._lacks_window(key, fmt, end)
-            if self.have(key) and key != continued and not windowless:
-                existing.append(key)
-                continue
+
+        def manifest(key: str, start: int, end: int) -> ChunkManifest:
             part = tokens_hash(tokens[start:end])
-            manifest = ChunkManifest(
+            return ChunkManifest(
                 self.fingerprint, fmt, key, start, end, part, len(classes), classes
             )
-            tensors = self._without_window(manifest) if key == continued else None
-            if tensors is not None or windowless:
-                # Its row and file go first, as any chunk's do: a crash before the new
-                # file has its row leaves an orphan for gc, never a row of the old size.
-                self.index.delete_chunk(key)
-            if tensors is None:
-                tensors = chunk_tensors(cache, start, end, stored_dtype(fmt))
-            size += self.write(manifest, tensors)
-            written += 1
-        self.index.touch(existing)
-        return [k for k, _, _ in chunks], written, len(existing), size
 
-    def _continued_tail(self, entry: ConversationCache | None, chunks: list) -> str | None:
-        """The last chunk of this conversation's previous save, when this save goes on
-        past it and it holds a 16-bit window copy (a quantized cache's last chunk does):
-        it is written again without one, else every turn would leave a window on disk.
-        Not when another conversation's cache ends there and reopens with that copy."""
-        if entry is None or not entry.chunk_keys or len(chunks) < 2:
-            return None
-        last = entry.chunk_keys[-1]
-        ends = {key: end for key, _, end in chunks}
-        if last not in ends or ends[last] == chunks[-1][2]:
-            return None
-        if not _holds_window(entry.kv_format, ends[last]):
-            return None
-        return None if self.index.ends_elsewhere(last, entry.conversation_id) else last
+        written = size = 0
+        for key, start, end in chunks:
+            if key not in kept:
+                tensors = chunk_tensors(cache, start, end, stored_dtype(fmt), copies.whole_tail)
+                size += self._write_anew(manifest(key, start, end), tensors)
+                written += 1
+        rewritten = 0
+        for chunk in copies.passed:
+            tensors = self._without_copies(manifest(*chunk))
+            if tensors is not None:
+                size += self._write_anew(manifest(*chunk), tensors)
+                rewritten += 1
+        self.index.touch(list(kept))
+        return [k for k, _, _ in chunks], written + rewritten, len(kept) - rewritten, size
 
-    def _lacks_window(self, key: str, fmt: str, end: int) -> bool:
-        """Whether chunk `key`, saved and the last of this save at `end` tokens, lacks
-        the 16-bit copy of the recent rows a last chunk holds: another chat that went
-        on past it wrote it again without (`_continued_tail`). This chat ends there,
-        so it is written again with one, or a reopen reads those rows quantized."""
-        if not _holds_window(fmt, end) or not self.have(key):
-            return False
-        names = tensor_names(self.index.chunk_path(key))
-        return names is not None and not any(is_window_copy(name) for name in names)
+    def _write_anew(self, manifest: ChunkManifest, tensors: dict) -> int:
+        """`write`, where a chunk under the key is dropped first (written again: with the
+        whole tail, or without its copy). Its row and file go first, as any chunk's
+        do: a crash before the new file has its row leaves an orphan for gc, never a
+        row of the old size."""
+        if self.index.chunk(manifest.key) is not None:
+            self.index.delete_chunk(manifest.key)
+        return self.write(manifest, tensors)
 
-    def _without_window(self, manifest: ChunkManifest) -> dict | None:
-        """The chunk's tensors as its file holds them, less the window copy: the file's
-        own bytes, so that what other chats share under its key stays exactly what it
-        was. None when it cannot be read (`read_chunk` then dropped it)."""
+    def _without_copies(self, manifest: ChunkManifest) -> dict | None:
+        """The chunk's tensors as its file holds them, less its 16-bit copy of recent
+        rows: the file's own bytes, so that what other chats share under its key stays
+        exactly what it was. None when it cannot be read (`read_chunk` then dropped it)."""
         try:
             tensors, _, _ = self.index.read_chunk(manifest.key, manifest.expected())
         except CacheRejected:
@@ -380,15 +372,6 @@ def _read_in_threads(read: Callable, calls: list[tuple], ahead: int) -> Iterator
 
 def _take(items: Iterator, n: int) -> list:
     return [item for _, item in zip(range(n), items, strict=False)]
-
-
-def _holds_window(fmt: str, end: int) -> bool:
-    """Whether a chunk of a cache saved as `fmt`, the last at `end` tokens, holds a
-    16-bit copy of the recent rows (plain formats hold no other copy)."""
-    try:
-        return tail_rows_at(end, parse_format(fmt)) > 0
-    except ValueError:
-        return False
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

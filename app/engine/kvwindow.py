@@ -8,6 +8,7 @@ is the live one, and a reader of a file knows what its 16-bit copy must hold.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from functools import cache
 
@@ -48,3 +49,53 @@ def tail_rows_at(count: int, scheme: KVScheme) -> int:
     """How many 16-bit rows after the sink a layer holds at `count` tokens."""
     window = app_window(scheme)
     return max(0, count - max(quantized_at(count, window, scheme), scheme.sink))
+
+
+def tail_start_at(count: int, scheme: KVScheme) -> int:
+    """The first position after the sink a layer of `scheme` holds in 16 bits at `count`
+    tokens (`count` when it holds none)."""
+    return count - tail_rows_at(count, scheme)
+
+
+# A chunk's 16-bit copy of positions [first, end) ("r96-160k": keys; end is the chunk's
+# own), and the copy files of format 4 held before each chunk carried its own: the
+# last chunk's "t<end>k", positions [tail_start_at(end), end).
+_COPY = re.compile(r"r(0|[1-9]\d{0,8})-(0|[1-9]\d{0,8})([kv])")
+_LAST_COPY = re.compile(r"t(0|[1-9]\d{0,8})([kv])")
+
+
+def copy_name(first: int, end: int, part: str) -> str:
+    """The name of the 16-bit copy of positions [first, end) of `part` ("k" or "v")."""
+    return f"r{first}-{end}{part}"
+
+
+def copy_span(name: str, scheme: KVScheme) -> tuple[int, int, str] | None:
+    """(first, end, part) of the positions a 16-bit copy named `name` holds; None when
+    `name` is not one."""
+    if match := _COPY.fullmatch(name):
+        return int(match[1]), int(match[2]), match[3]
+    if match := _LAST_COPY.fullmatch(name):
+        end = int(match[1])
+        return tail_start_at(end, scheme), end, match[2]
+    return None
+
+
+def covering_copies(
+    copies: list[tuple[int, int]], start: int, end: int
+) -> list[tuple[int, int, int]] | None:
+    """Which 16-bit copies give positions [start, end): `copies` are (first, end) each,
+    in their chunks' order, and a later one's rows stand for an earlier one's (a save
+    after a cut writes its whole tail again: its rows then hold dequantized values).
+    Per copy used, in order of position, (its index, from, to); None where a position
+    has no copy."""
+    picks, low = [], end
+    for i in range(len(copies) - 1, -1, -1):
+        if low <= start:
+            break
+        first, stop = copies[i]
+        if stop < low:  # the copies before end sooner still
+            return None
+        if first < low:
+            picks.append((i, max(first, start), low))
+            low = max(first, start)
+    return picks[::-1] if low <= start else None
