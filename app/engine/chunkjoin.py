@@ -59,7 +59,7 @@ class ChunkJoin:
                     # what the checks and the build read of it: its shape and type
                     array = np.broadcast_to(np.zeros((), array.dtype), array.shape)
                 elif isinstance(array, np.ndarray):  # a view would hold its whole file
-                    array = array.copy()
+                    array = mx.array(array)  # a copy, and the one mlx builds from
                 kept.setdefault(name, []).append(array)
 
     def _place(self, run: Run, name: str, array: np.ndarray, start: int, capacity: int) -> None:

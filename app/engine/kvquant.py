@@ -433,7 +433,7 @@ class MixedKVCache:
             bulk = [named[f"{prefix}.{n}"] for n in range(parts)]
             sink = named.get(f"s{prefix}")
             rows = [sink[..., :sink_rows, :]] if sink is not None and sink_rows else []
-            rows += [tails[part]] if tails[part] is not None else []
+            rows += tails[part] or []  # joined once with the sink, below
             held, step = sum(r.shape[3] for r in rows), layers[0].exact[part].step
             exact = layer_rows(joined(rows, (held // step + 1) * step)) if rows else None
             for i, layer in enumerate(layers):
@@ -455,10 +455,12 @@ class MixedKVCache:
             self._coded = self.count
 
 
-def _tail_from_copies(named: dict, part: str, count: int, scheme: KVScheme) -> mx.array | None:
+def _tail_from_copies(
+    named: dict, part: str, count: int, scheme: KVScheme
+) -> list[mx.array] | None:
     """The 16-bit rows of positions [tail_start_at(count), count) of `part` ("k", "v"),
-    layers first, put together from the chunks' copies (`covering_copies`); None when
-    they do not hold every one (or there are none to hold)."""
+    layers first, in pieces of the chunks' copies (`covering_copies`); None when they
+    do not hold every one (or there are none to hold)."""
     start = tail_start_at(count, scheme)
     copies = [
         (span, array)
@@ -469,5 +471,4 @@ def _tail_from_copies(named: dict, part: str, count: int, scheme: KVScheme) -> m
     picks = covering_copies([span[:2] for span, _ in copies], start, count)
     if not picks:
         return None
-    pieces = [copies[i][1][..., a - copies[i][0][0] : b - copies[i][0][0], :] for i, a, b in picks]
-    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=3)
+    return [copies[i][1][..., a - copies[i][0][0] : b - copies[i][0][0], :] for i, a, b in picks]
