@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_cache_files import new_engine, turn
 
-from app.engine.conversation import (
+from app.engine.planner import (
     READ_BANDWIDTH,
     nearest_rate,
     prefill_size_class,
@@ -30,18 +30,18 @@ def saved(tiny_model):
 def test_the_planner_recomputes_when_that_is_faster(tiny_model, saved):
     conversation_id, _ = saved
     engine = new_engine(tiny_model)
-    engine.measurements.observe(READ_BANDWIDTH, 1.0)  # a very slow disk
-    far = engine._prefill_key(1 << 20)  # a size far from this chat's: the only one known
-    engine.measurements.observe(far, 1e6)
+    engine.planner.measurements.observe(READ_BANDWIDTH, 1.0)  # a very slow disk
+    far = engine.planner.prefill_key(1 << 20)  # a size far from this chat's: the only one known
+    engine.planner.measurements.observe(far, 1e6)
     finished, _ = turn(engine, conversation_id, "quick")
     info = finished.restore
     assert info.source == "recompute"
     assert info.estimate_recompute_s < info.estimate_restore_s
     assert "faster" in info.rejected
     # The recompute taught the planner the rate of a prefill of its own size.
-    own = engine._prefill_key(finished.stats.prefilled_tokens)
+    own = engine.planner.prefill_key(finished.stats.prefilled_tokens)
     assert own != far
-    learned = engine.measurements.get(own)
+    learned = engine.planner.measurements.get(own)
     assert learned is not None and learned > 0
 
 
@@ -51,15 +51,23 @@ def test_a_long_history_is_judged_by_long_prefills_not_by_short_turns(tiny_model
     _, entry = saved
     engine = new_engine(tiny_model)
     usable = len(entry.tokens) - 1
-    engine.measurements.observe(READ_BANDWIDTH, engine.kvstore.bytes_to_read(entry, usable) / 0.5)
-    engine.measurements.observe(engine._prefill_key(8), usable / 5.0)  # short turns: "5 s"
-    restore, recompute = engine.reopen_estimates(entry, usable)
+    engine.planner.measurements.observe(
+        READ_BANDWIDTH, engine.kvstore.bytes_to_read(entry, usable) / 0.5
+    )
+    engine.planner.measurements.observe(
+        engine.planner.prefill_key(8), usable / 5.0
+    )  # short turns: "5 s"
+    restore, recompute = engine.planner.estimates(entry, usable)
     assert (restore, recompute) == (pytest.approx(0.5), pytest.approx(5.0))
     assert not recompute_is_faster((restore, recompute))
 
-    engine.measurements.observe(engine._prefill_key(usable), usable / 0.05)  # its length
-    engine.measurements.observe(engine._prefill_key(usable << 8), usable / 1e-4)  # far longer
-    restore, recompute = engine.reopen_estimates(entry, usable)
+    engine.planner.measurements.observe(
+        engine.planner.prefill_key(usable), usable / 0.05
+    )  # its length
+    engine.planner.measurements.observe(
+        engine.planner.prefill_key(usable << 8), usable / 1e-4
+    )  # far longer
+    restore, recompute = engine.planner.estimates(entry, usable)
     assert recompute == pytest.approx(0.05)  # neither the short turns' nor the fastest
     assert recompute_is_faster((restore, recompute))
 
@@ -77,8 +85,8 @@ def test_the_nearest_size_is_used_and_a_tie_takes_the_smaller():
 def test_estimates_of_another_model_are_not_used(tiny_model, saved):
     _, entry = saved
     engine = new_engine(tiny_model)
-    engine.measurements.observe("prefill_tps:another-model:7", 1e9)
-    assert engine.reopen_estimates(entry, len(entry.tokens) - 1)[1] is None
+    engine.planner.measurements.observe("prefill_tps:another-model:7", 1e9)
+    assert engine.planner.estimates(entry, len(entry.tokens) - 1)[1] is None
 
 
 def test_damaged_estimates_are_not_used(tiny_model, saved):
@@ -89,12 +97,12 @@ def test_damaged_estimates_are_not_used(tiny_model, saved):
     rows = open_db()["measurements"]
     for key, value in [
         (READ_BANDWIDTH, 0),
-        (f"{engine._prefill_prefix()}7", "fast"),
-        (f"{engine._prefill_prefix()}8", float("nan")),
-        (f"{engine._prefill_prefix()}x", 1e6),
-        (f"{engine._prefill_prefix()}²", 1e6),
+        (f"{engine.planner.prefill_prefix}7", "fast"),
+        (f"{engine.planner.prefill_prefix}8", float("nan")),
+        (f"{engine.planner.prefill_prefix}x", 1e6),
+        (f"{engine.planner.prefill_prefix}²", 1e6),
     ]:
         rows.upsert({"key": key, "value": value, "updated": "x"}, pk="key")
-    assert engine.reopen_estimates(entry, len(entry.tokens) - 1) == (None, None)
+    assert engine.planner.estimates(entry, len(entry.tokens) - 1) == (None, None)
     finished, _ = turn(engine, conversation_id, "still works")
     assert finished.restore.source == "disk"

@@ -31,16 +31,10 @@ from pathlib import Path
 from app.bench import llama_cpp_peer, shapes
 from app.engine import loading, models
 from app.engine.chat import ChatSession
-from app.engine.conversation import (
-    READ_BANDWIDTH,
-    CacheSaved,
-    ConversationEngine,
-    ReplyFinished,
-    TurnOptions,
-    recompute_is_faster,
-)
+from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
 from app.engine.errors import UserError
 from app.engine.generation import KVSettings, SamplingSettings
+from app.engine.planner import READ_BANDWIDTH, recompute_is_faster
 from app.resource_files import resource
 from sessions import paths
 from sessions.cachefiles import path_from_url
@@ -92,7 +86,7 @@ def measure(
     builder = ConversationEngine(db, loaded)
     # The builder prefills the whole history at once, where an app's history grows turn
     # by turn: what it times is not the planner's to know (its own measurements file).
-    builder.measurements = Measurements(open_db(paths.data_dir() / "bench-builder.db"))
+    builder.planner.measurements = Measurements(open_db(paths.data_dir() / "bench-builder.db"))
     conversation = builder.store.create(loaded.name)
     build_history(builder, conversation.id, target)
     run_turn(builder, conversation.id, "Summarise this.", options)  # prefill all, save
@@ -110,9 +104,9 @@ def measure(
     # the builder's cache had, as an app's restore does (it drops the cache it held first).
     builder.session.reset()
     reopened = ConversationEngine(open_db(), loaded)  # a new engine, as after a restart
-    planned = reopened.reopen_estimates(entry, len(entry.tokens))
+    planned = reopened.planner.estimates(entry, len(entry.tokens))
     # Measure the restore whichever path the planner would take; its choice is scored below.
-    reopened.measurements.forget(READ_BANDWIDTH)
+    reopened.planner.measurements.forget(READ_BANDWIDTH)
     if cold:
         evict(files)
     restored, saved = run_turn(reopened, conversation.id, "And in one word?", options)
@@ -122,7 +116,7 @@ def measure(
     prompt = reopened.session.render(reopened.store.get(conversation.id).chat_messages()[:-1])
     fresh = ChatSession(loaded)
     *_, recomputed = fresh.generate(prompt, sampling=options.sampling, kv=kv)
-    reopened.learn_prefill_rate(recomputed.stats)  # for the rows after, as an app would
+    reopened.planner.learn_prefill_rate(recomputed.stats)  # for the rows after, as an app would
 
     new_tokens = restored.stats.prompt_tokens + 1 - info.tokens
     kv_bytes_per_token = cache_bytes / len(entry.tokens)

@@ -21,11 +21,11 @@ from app.engine.generation import (
     KVSettings,
     TextDelta,
     TurnFinished,
-    TurnStats,
 )
 from app.engine.kvscheme import usable_format
 from app.engine.kvstore import KVStore, SaveReport
 from app.engine.loading import LoadedModel
+from app.engine.planner import ReopenPlanner, recompute_is_faster
 from app.engine.prompt_checkpoints import PromptCheckpoints
 from app.engine.snapshots import can_trim
 from app.engine.steps import reusable_prefix
@@ -41,32 +41,7 @@ from sessions.cachefiles import CacheIndex, ConversationCache, DiskFull
 from sessions.conversations import ConversationStore, ReplyWriter
 from sessions.measurements import Measurements
 
-READ_BANDWIDTH = "read_bytes_per_s"
-# Below this many tokens the planner does not bother: restoring is always cheap.
-_MEASURE_MIN_TOKENS = 64
 _NOTHING = ("recompute", 0.0, 0, 0)  # source, seconds, bytes and tokens of no restore
-
-
-def prefill_size_class(tokens: int) -> int:
-    """Prefill rates are kept per power of two of the tokens prefilled: per token, a GPU
-    prefills a long history many times faster than a turn of a hundred tokens (the H200:
-    a 16k-token history at ~20k tokens/s, the turns that built it at a few thousand), and
-    a CPU a long one somewhat slower (its attention grows with the length)."""
-    return tokens.bit_length()
-
-
-def nearest_rate(rates: dict[int, float], size_class: int) -> float | None:
-    """The rate measured for the size class nearest `size_class`, the smaller one on a
-    tie (the cautious guess on a GPU); None when nothing was measured."""
-    if not rates:
-        return None
-    return rates[min(rates, key=lambda c: (abs(c - size_class), c))]
-
-
-def recompute_is_faster(estimates: tuple[float | None, float | None]) -> bool:
-    """The planner's rule: recompute only when both paths are estimated and it wins."""
-    restore, recompute = estimates
-    return restore is not None and recompute is not None and recompute < restore
 
 
 class ConversationEngine:
@@ -80,7 +55,7 @@ class ConversationEngine:
         self.store = ConversationStore(db)
         self.index = CacheIndex(db)
         self.kvstore = KVStore(self.index, loaded, chunk_tokens)
-        self.measurements = Measurements(db)
+        self.planner = ReopenPlanner(Measurements(db), self.kvstore)
         self.session = ChatSession(loaded)
         self.loaded = loaded
         self.budget_bytes = budget_bytes
@@ -265,7 +240,7 @@ class ConversationEngine:
                     )
                     state = "cancelled" if event.stats.finish_reason == "cancelled" else "complete"
                     writer.finish(state, event.to_dict(), text)
-                    self.learn_prefill_rate(event.stats)
+                    self.planner.learn_prefill_rate(event.stats)
                 yield event
         except BaseException:
             writer.finish("failed")
@@ -332,7 +307,7 @@ class ConversationEngine:
         if refused is not None:
             return refused
         usable = reusable_prefix(entry.tokens, prompt)
-        estimates = self.reopen_estimates(entry, usable)
+        estimates = self.planner.estimates(entry, usable)
         if recompute_is_faster(estimates):
             return RestoreInfo(*_NOTHING, *estimates, "recomputing is estimated to be faster")
         return self._restore(entry, usable, estimates)
@@ -382,8 +357,7 @@ class ConversationEngine:
         if result.cache is None:
             return RestoreInfo("recompute", result.seconds, 0, 0, *estimates, result.rejected)
         self.session.cache, self.session.tokens = result.cache, result.tokens
-        if result.bytes_read and result.seconds > 0:
-            self.measurements.observe(READ_BANDWIDTH, result.bytes_read / result.seconds)
+        self.planner.learn_read(result.bytes_read, result.seconds)
         return RestoreInfo(
             "disk",
             result.seconds,
@@ -392,34 +366,3 @@ class ConversationEngine:
             *estimates,
             checkpoint=result.checkpoint,
         )
-
-    def reopen_estimates(
-        self, entry: ConversationCache, usable: int
-    ) -> tuple[float | None, float | None]:
-        """(restore, recompute) seconds the planner expects for the first `usable` tokens
-        of `entry`, from the measured read bandwidth and the prefill rate of the nearest
-        size (None: not measured yet on this machine)."""
-        size = self.kvstore.bytes_to_read(entry, usable)
-        bandwidth = self.measurements.get(READ_BANDWIDTH)
-        rate = nearest_rate(self._prefill_rates(), prefill_size_class(usable))
-        return (size / bandwidth if bandwidth else None, usable / rate if rate else None)
-
-    def learn_prefill_rate(self, stats: TurnStats) -> None:
-        """Blend a turn's prefill rate into the estimate for its size. (`bench reopen`
-        also gives it the recompute it times: what an app learns when it recomputes.)"""
-        if stats.prefilled_tokens >= _MEASURE_MIN_TOKENS and stats.prefill_tps:
-            self.measurements.observe(self._prefill_key(stats.prefilled_tokens), stats.prefill_tps)
-
-    def _prefill_key(self, tokens: int) -> str:
-        return f"{self._prefill_prefix()}{prefill_size_class(tokens)}"
-
-    def _prefill_prefix(self) -> str:
-        return f"prefill_tps:{self.kvstore.fingerprint}:"
-
-    def _prefill_rates(self) -> dict[int, float]:
-        """Size class: rate, for this model (any KV preference: the cache's format
-        changes a prefill's speed far less than its length does)."""
-        prefix = self._prefill_prefix()
-        found = self.measurements.starting_with(prefix)
-        sizes = {key: key.removeprefix(prefix) for key in found}
-        return {int(n): found[key] for key, n in sizes.items() if n.isascii() and n.isdigit()}
