@@ -15,7 +15,7 @@ from test_cache_files import new_engine, turn
 from test_families import assert_identical
 
 from app.engine.codecs import is_window_copy
-from app.engine.conversation import TurnOptions
+from app.engine.conversation import ConversationEngine, TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
 from app.engine.kvquant import MixedKVCache
 from app.engine.kvscheme import parse_format, scheme_for
@@ -288,3 +288,57 @@ def test_a_layer_writes_its_whole_tail_into_the_last_chunk_after_a_cut():
 
 def copies_in(tensors: dict) -> list[str]:
     return [name for name in tensors if name.startswith("r") and name.endswith("k")]
+
+
+def app_engine(loaded) -> ConversationEngine:
+    """An engine with the app's own chunks of 256 tokens, as in a new process."""
+    return ConversationEngine(open_db(), loaded)
+
+
+def test_copies_stay_about_a_window_as_a_chat_of_long_replies_grows(tiny_model):
+    """With the app's 256-token chunks, a reply longer than the window begins its chunk's
+    copy partway in; once the window has passed that chunk, the copy goes all the same:
+    what is left on disk is the window's, however long the chat (an adversarial review
+    found them piling up, one partial copy a turn)."""
+    options = TurnOptions(sampling=SamplingSettings.greedy(150), kv=EIGHT_BIT.kv)
+    engine = app_engine(tiny_model)
+    conversation = engine.store.create(tiny_model.name)
+    for n in range(6):
+        turn(engine, conversation.id, f"Tell me part {n} of the story.", options)
+        tail, count = tail_of(conversation.id)
+        chunks = copy_spans(conversation.id)[1]
+        assert all(copy is None for _, _, end, copy in chunks if end <= tail), (tail, chunks)
+        assert covering_copies([copy for *_, copy in chunks if copy], tail, count) is not None
+    assert count > 3 * 256
+
+
+def test_an_earlier_message_sent_again_with_the_same_reply_reopens_as_it_never_closed(
+    tiny_model,
+):
+    """The first message sent again, unchanged, after a long second turn: the cut moves
+    rows back from the quantized bulk to the 16-bit tail (dequantized values), and the
+    greedy reply is the one before, so every chunk is kept and none is new. Another
+    chat ends where the first turn did, so the first turn's copies are still on disk,
+    as computed: the last chunk is written again with the whole tail as the live one
+    holds it (an adversarial review found such a reopen differing from the live one).
+    The other chat still reopens (its tail then holds those rows dequantized from the
+    same codes: the chunk is one key for both)."""
+    short = TurnOptions(sampling=SamplingSettings.greedy(24), kv=EIGHT_BIT.kv)
+    engine, other = app_engine(tiny_model), app_engine(tiny_model)
+    conversation, elsewhere = (engine.store.create(tiny_model.name) for _ in range(2))
+    text = " ".join(f"item{n}" for n in range(60))  # about 200 tokens: one chunk
+    done, _ = turn(engine, conversation.id, text, short)
+    turn(other, elsewhere.id, text, short)
+    first = list(engine.session.tokens)
+    assert other.session.tokens == first
+    longer = replace(short, sampling=SamplingSettings.greedy(120))
+    turn(engine, conversation.id, "Go on, at length.", longer)
+    user = engine.store.message(done.message_id).parent_id
+    saved = list(engine.edit(user, text, short))[-1]
+    assert engine.session.tokens == first and engine.session.cache[0].tail_is_dequantized()
+    assert saved.report.chunks_written == 1  # the last chunk, again
+
+    reopened = app_engine(tiny_model)
+    assert reopened.prefetch(conversation.id, short.kv).source == "disk"
+    assert_identical(reopened.session.cache, engine.session.cache)
+    assert app_engine(tiny_model).prefetch(elsewhere.id, short.kv).source == "disk"

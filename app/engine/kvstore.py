@@ -30,6 +30,7 @@ from pathlib import Path
 
 from app.engine import checkpoints, recent_copies, snapshots
 from app.engine.cache_keys import (
+    cache_parts,
     chain_keys,
     grid_ends,
     kv_format,
@@ -47,6 +48,7 @@ from app.engine.codecs import (
     stored_dtype,
     stored_format,
 )
+from app.engine.kvquant import MixedKVCache
 from app.engine.loading import LoadedModel
 from app.engine.stored_arrays import device_apart, to_device
 from sessions.cachefiles import (
@@ -145,7 +147,11 @@ class KVStore:
         ends = self._chunk_ends(previous, fmt, tokens)
         chunks = chain_keys(self.fingerprint, fmt, tokens, ends)
         kept = {key for key, _, _ in chunks if self.have(key)}
-        copies = recent_copies.plan(self, conversation_id, previous, fmt, chunks, kept)
+        dequantized = any(
+            isinstance(layer, MixedKVCache) and layer.tail_is_dequantized()
+            for layer in cache_parts(cache)
+        )
+        copies = recent_copies.plan(self, conversation_id, previous, fmt, chunks, kept, dequantized)
         if copies.whole_tail:
             kept.discard(chunks[-1][0])  # written again, with the whole tail
         classes = chunk_classes(cache)

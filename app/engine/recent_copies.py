@@ -5,9 +5,10 @@ bits (app/engine/kvwindow.py), and a cache restored from files is the live one
 only with those rows as they are. Each chunk carries a copy of its own positions
 in that tail when it is written ("r<first>-<end>k", `MixedKVCache.quantized_tokens`),
 so a turn writes its new rows once in each form. Once the tail has moved past a
-chunk, that chunk is written again without its copy (`CopyPlan.passed`), so that
-a chat keeps about a window of copies on disk; a chunk another chat still needs
-the copy of keeps it. After a cut (the tail then holds dequantized rows), or where
+chunk, that chunk is written again without its copy (`CopyPlan.passed`), once in
+its life, so that a chat keeps about a window of copies on disk (the chunk the
+window begins in holds the rest of its copy); a chunk another chat still needs the
+copy of keeps it. After a cut (the tail then holds dequantized rows), or where
 the chunks kept lack their copies (another chat went on past them), the save's last
 chunk carries the whole tail, which a restore takes over the older copies
 (`kvwindow.covering_copies`).
@@ -45,9 +46,14 @@ def plan(
     fmt: str,
     chunks: list[Chunk],
     kept: set[str],
+    dequantized: bool = False,
 ) -> CopyPlan:
     """The copies' part of saving `chunks` (the whole cache, in order) in `fmt`, where
-    the `kept` ones are on disk already and the others are written."""
+    the `kept` ones are on disk already and the others are written. `dequantized`: the
+    live tail holds rows a cut moved back from the quantized bulk
+    (`MixedKVCache.tail_is_dequantized`), which the kept chunks' copies hold as they
+    were computed; an unchanged message sent again can give the same reply, and so
+    the same chunks, with nothing new to write."""
     scheme = _scheme(fmt)
     if scheme is None or not chunks:
         return CopyPlan()
@@ -56,7 +62,7 @@ def plan(
     new_from = next((start for key, start, _ in chunks if key not in kept), count)
     held = [chunk for chunk in chunks if chunk[0] in kept and chunk[2] > tail]
     spans = [span for chunk in held if (span := _copy_span(store, chunk, scheme))]
-    whole_tail = tail < new_from and covering_copies(spans, tail, new_from) is None
+    whole_tail = dequantized or (tail < new_from and covering_copies(spans, tail, new_from) is None)
     # The tail of the previous save: chunks that ended before it were seen to then.
     before = len(previous.tokens) if previous and previous.kv_format == fmt else 0
     since = tail_start_at(before, scheme) if before else 0
@@ -65,24 +71,10 @@ def plan(
         for chunk in chunks
         if chunk[0] in kept
         and since < chunk[2] <= tail
-        and _worth_dropping(chunk, _copy_span(store, chunk, scheme), scheme)
+        and _copy_span(store, chunk, scheme)
         and not _needed_elsewhere(store, conversation_id, chunk, scheme)
     ]
     return CopyPlan(whole_tail, passed)
-
-
-def _worth_dropping(chunk: Chunk, span: tuple[int, int] | None, scheme: KVScheme) -> bool:
-    """Whether the chunk is written again without its copy: when the copy is at least
-    the size of its codes. A save's tail may begin near the end of a long chunk (a long
-    message's), whose few 16-bit rows are not worth writing all its codes again for;
-    they stay, a fraction of that chunk, and the restore reads past them."""
-    if span is None:
-        return False
-    coded = sum(
-        16 if bits is None else bits + 32 / scheme.group_size
-        for bits in (scheme.key_bits, scheme.value_bits)
-    )
-    return (span[1] - span[0]) * 32 >= (chunk[2] - chunk[1]) * coded
 
 
 def _scheme(fmt: str) -> KVScheme | None:
