@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -25,6 +26,7 @@ from app.engine.stored_arrays import stored_type, to_numpy
 from app.engine.tokenstore import STEP, as_dtype
 from sessions.cachefiles import CacheRejected
 
+_MAX_WEIGHTS_HEADER = 64 * 1024 * 1024  # a model file's safetensors header, at most
 _SIXTEEN_STORED = (mx.float16, mx.uint16)  # bfloat16 is stored as its raw 16 bits
 _FLOAT_STORED = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.uint16}
 
@@ -223,6 +225,27 @@ def stored_format(live: str, sixteen_bit: str | None) -> str:
     if live == "float32" and sixteen_bit in ("float16", "bfloat16"):
         return sixteen_bit
     return live
+
+
+def sixteen_bit_type(model_dir: Path) -> str | None:
+    """The model's own 16-bit type ("float16" or "bfloat16", the most common among its
+    stored 16-bit weights, scales included), from the safetensors headers alone; None for
+    a model stored without 16-bit floats."""
+    counts = {"F16": 0, "BF16": 0}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(min(length, _MAX_WEIGHTS_HEADER)))
+        except (OSError, ValueError):
+            continue
+        for entry in header.values() if isinstance(header, dict) else ():
+            dtype = entry.get("dtype") if isinstance(entry, dict) else None
+            if dtype in counts:
+                counts[dtype] += 1
+    if not any(counts.values()):
+        return None
+    return "float16" if counts["F16"] >= counts["BF16"] else "bfloat16"
 
 
 def stored_dtype(fmt: str) -> mx.Dtype | None:

@@ -19,14 +19,12 @@ the next files while the last one is copied to the device (`_read_files`).
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
-from pathlib import Path
 
 from app.engine import checkpoints, recent_copies, snapshots
 from app.engine.cache_keys import (
@@ -45,6 +43,7 @@ from app.engine.codecs import (
     chunk_tensors,
     is_window_copy,
     read_classes,
+    sixteen_bit_type,
     stored_dtype,
     stored_format,
 )
@@ -61,7 +60,6 @@ from sessions.cachefiles import (
     write_file,
 )
 
-_MAX_WEIGHTS_HEADER = 64 * 1024 * 1024
 # Chunk files read at once ahead of the one being copied to the GPU: a few reads in
 # flight keep a fast disk busy; each holds one chunk in host memory (~30 MB at 256
 # tokens of an 8B model).
@@ -386,24 +384,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
-
-
-def sixteen_bit_type(model_dir: Path) -> str | None:
-    """The model's own 16-bit type ("float16" or "bfloat16", the most common among its
-    stored 16-bit weights, scales included), from the safetensors headers alone; None for
-    a model stored without 16-bit floats."""
-    counts = {"F16": 0, "BF16": 0}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        try:
-            with open(path, "rb") as f:
-                length = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(min(length, _MAX_WEIGHTS_HEADER)))
-        except (OSError, ValueError):
-            continue
-        for entry in header.values() if isinstance(header, dict) else ():
-            dtype = entry.get("dtype") if isinstance(entry, dict) else None
-            if dtype in counts:
-                counts[dtype] += 1
-    if not any(counts.values()):
-        return None
-    return "float16" if counts["F16"] >= counts["BF16"] else "bfloat16"
