@@ -220,27 +220,25 @@ class CacheIndex:
     def forget_conversation(self, conversation_id: int) -> None:
         self.db["conversation_caches"].delete_where("conversation_id = ?", [conversation_id])
 
-    def lengths_elsewhere(self, key: str, conversation_id: int) -> list[int | None]:
-        """How many tokens each other conversation whose cache holds chunk `key` has
-        (None for one whose key list is damaged: the cautious answer is that it may
-        hold it, at any length). Only the key lists and the token lists' sizes are
-        read (a save asks it, and the token lists grow with every chat)."""
+    def other_caches(self, conversation_id: int) -> list[tuple[frozenset[str] | None, int]]:
+        """Every other conversation's cache as (its chunk keys, its token count); None for
+        keys that cannot be read (the cautious answer: it may hold any chunk). Only the
+        key lists and the token lists' sizes are read (a save asks it, and the token
+        lists grow with every chat)."""
         rows = self.db.execute(
             "select chunk_keys, length(tokens) / 4 from conversation_caches"
             " where conversation_id is not ?",
             [conversation_id],
         )
-        lengths: list[int | None] = []
+        caches: list[tuple[frozenset[str] | None, int]] = []
         for listed, length in rows:
             try:
                 keys = json.loads(listed)
             except (TypeError, ValueError):
                 keys = None
-            if not isinstance(keys, list) or not isinstance(length, int):
-                lengths.append(None)
-            elif key in keys:
-                lengths.append(length)
-        return lengths
+            readable = isinstance(keys, list) and isinstance(length, int)
+            caches.append((frozenset(map(str, keys)) if readable else None, length))
+        return caches
 
     def referenced_keys(self) -> set[str]:
         keys: set[str] = set()

@@ -58,8 +58,8 @@ def tail_start_at(count: int, scheme: KVScheme) -> int:
 
 
 # A chunk's 16-bit copy of positions [first, end) ("r96-160k": keys; end is the chunk's
-# own), and the copy files of format 4 held before each chunk carried its own: the
-# last chunk's "t<end>k", positions [tail_start_at(end), end).
+# own); and the one copy format 4 files held, before each chunk carried its own: the
+# save's last chunk's "t<end>k", positions [tail_start_at(end), end).
 _COPY = re.compile(r"r(0|[1-9]\d{0,8})-(0|[1-9]\d{0,8})([kv])")
 _LAST_COPY = re.compile(r"t(0|[1-9]\d{0,8})([kv])")
 

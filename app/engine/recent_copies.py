@@ -60,20 +60,21 @@ def plan(
     count = chunks[-1][2]
     tail = tail_start_at(count, scheme)
     new_from = next((start for key, start, _ in chunks if key not in kept), count)
-    held = [chunk for chunk in chunks if chunk[0] in kept and chunk[2] > tail]
-    spans = [span for chunk in held if (span := _copy_span(store, chunk, scheme))]
-    whole_tail = dequantized or (tail < new_from and covering_copies(spans, tail, new_from) is None)
+    whole_tail = dequantized
+    if not whole_tail and tail < new_from:  # the kept chunks must hold [tail, new_from)
+        held = [chunk for chunk in chunks if chunk[0] in kept and chunk[2] > tail]
+        spans = [span for chunk in held if (span := _copy_span(store, chunk, scheme))]
+        whole_tail = covering_copies(spans, tail, new_from) is None
     # The tail of the previous save: chunks that ended before it were seen to then.
     before = len(previous.tokens) if previous and previous.kv_format == fmt else 0
     since = tail_start_at(before, scheme) if before else 0
-    passed = [
+    candidates = [
         chunk
         for chunk in chunks
-        if chunk[0] in kept
-        and since < chunk[2] <= tail
-        and _copy_span(store, chunk, scheme)
-        and not _needed_elsewhere(store, conversation_id, chunk, scheme)
+        if chunk[0] in kept and since < chunk[2] <= tail and _copy_span(store, chunk, scheme)
     ]
+    others = store.index.other_caches(conversation_id) if candidates else []
+    passed = [chunk for chunk in candidates if not _needed_elsewhere(others, chunk, scheme)]
     return CopyPlan(whole_tail, passed)
 
 
@@ -95,7 +96,12 @@ def _copy_span(store: KVStore, chunk: Chunk, scheme: KVScheme) -> tuple[int, int
     return min(spans) if spans else None
 
 
-def _needed_elsewhere(store: KVStore, conversation_id: int, chunk: Chunk, scheme) -> bool:
-    """Whether another conversation holds the chunk with its copy still in its tail."""
-    lengths = store.index.lengths_elsewhere(chunk[0], conversation_id)
-    return any(n is None or tail_start_at(n, scheme) < chunk[2] for n in lengths)
+def _needed_elsewhere(
+    others: list[tuple[frozenset[str] | None, int]], chunk: Chunk, scheme: KVScheme
+) -> bool:
+    """Whether another conversation (`CacheIndex.other_caches`) holds the chunk with its
+    copy still in its tail."""
+    return any(
+        keys is None or (chunk[0] in keys and tail_start_at(length, scheme) < chunk[2])
+        for keys, length in others
+    )
