@@ -291,3 +291,28 @@ def test_kv_4_bit_quantizes_attention_and_reopens_exactly(
     family, family_models, in_memory, tmp_path
 ):
     _check_preference(family_models, in_memory, family, 4, tmp_path)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("family", ["sliding", "hybrid-qwen3-next"])
+def test_quantized_attention_beside_windows_or_states_reopens_exactly_past_its_window(
+    family, bits, family_models
+):
+    """Long replies in 16-token chunks: the attention layers' 16-bit window moves past
+    chunks, which drop their copies of it, and a reply asked again cuts back into rows
+    already quantized; a new engine still rebuilds the live cache, windows or recurrent
+    state from the checkpoint, attention from the chunks."""
+    _, loaded = family_models(family)
+    long = TurnOptions(sampling=SamplingSettings.greedy(96), kv=KVSettings(bits, 32))
+    engine = ConversationEngine(open_db(), loaded, chunk_tokens=16)
+    conversation = engine.store.create(loaded.name)
+    finished_of(engine.send(conversation.id, MESSAGES[0], long))
+    second = finished_of(engine.send(conversation.id, MESSAGES[1], long))
+    user = engine.store.message(second.message_id).parent_id
+    finished_of(engine.edit(user, MESSAGES[2], long))
+    held = [part for part in engine.session.cache if isinstance(part, MixedKVCache)]
+    assert any(part.max_size is None and part.quantized() > 16 for part in held)
+
+    reopened = ConversationEngine(open_db(), loaded, chunk_tokens=16)
+    assert reopened.prefetch(conversation.id, long.kv).source == "disk"
+    assert_identical(reopened.session.cache, engine.session.cache)
