@@ -234,7 +234,7 @@ class CacheIndex:
         for listed, length in rows:
             try:
                 keys = json.loads(listed)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, RecursionError):  # nested past the parser's depth
                 keys = None
             readable = isinstance(keys, list) and isinstance(length, int)
             caches.append((frozenset(map(str, keys)) if readable else None, length))
