@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from app.engine import snapshots
+from app.engine import snapshots, window_rows
 from app.engine.cache_keys import SNAPSHOT, cache_parts, checkpoint_key, kv_format, tokens_hash
 from app.engine.codecs import ChunkManifest, chunk_classes, stored_dtype, stored_format
 from app.engine.stored_arrays import read_checked
@@ -133,54 +133,91 @@ def save(
     points = [(taken.tokens, lambda: (taken.tensors, taken.layout))] if taken else []
     window_type = _window_type(store.sixteen_bit)
     points.append((len(tokens), lambda: snapshots.snapshot(cache, slots, window_type)))
-    new_keys = []
+    earlier, intact = _earlier_checkpoints(store, previous, fmt, tokens[: points[0][0]])
+    since = earlier[-1].end if earlier and intact else 0
+    new = []
     for end, contents in points:
-        key, size_written = _write_checkpoint(store, fmt, tokens[:end], len(cache), contents)
-        new_keys.append(key)
+        point, size_written = _write_checkpoint(
+            store, fmt, tokens[:end], len(cache), contents, since
+        )
+        new.append(point)
+        since = end
         if size_written:
             written, size = written + 1, size + size_written
         else:
             reused += 1
-    earlier = _earlier_checkpoints(store, previous, fmt, tokens[: points[0][0]])
-    kept = [*earlier, *new_keys][-MAX_CHECKPOINTS:]
+    kept = [point.key for point in _kept([*earlier, *new])]
     store.point_conversation(conversation_id, fmt, tokens, keys, kept)
     return written, reused, size
 
 
+@dataclass(frozen=True)
+class _Point:
+    """A saved checkpoint: its key, the tokens it holds, and the first position whose
+    window rows it needs, from itself or the checkpoints before it (its index row's
+    token_start; 0 for one saved before they shared rows, which may need any)."""
+
+    key: str
+    end: int
+    needs_from: int
+
+
+def _kept(points: list[_Point]) -> list[_Point]:
+    """The checkpoints a conversation keeps, oldest first: the last MAX_CHECKPOINTS,
+    where a turn can go on from, and the ones before them that hold rows they need
+    (`window_rows`: a checkpoint holds only the rows since the one before it)."""
+    resumable = points[-MAX_CHECKPOINTS:]
+    needed_from = min(point.needs_from for point in resumable)
+    return [p for p in points[: -len(resumable)] if p.end > needed_from] + resumable
+
+
 def _write_checkpoint(
-    store: KVStore, fmt: str, tokens: list[int], layers: int, contents: Callable[[], tuple]
-) -> tuple[str, int]:
+    store: KVStore,
+    fmt: str,
+    tokens: list[int],
+    layers: int,
+    contents: Callable[[], tuple],
+    since: int,
+) -> tuple[_Point, int]:
     """The checkpoint of `tokens`, written from `contents()` (tensors, layout) unless
-    saved already; (its key, bytes written: 0 when reused)."""
+    saved already, its windows' rows before `since` left to the checkpoint that ends
+    there (`window_rows.cut`); (it, bytes written: 0 when reused)."""
     key = checkpoint_key(store.fingerprint, fmt, tokens)
-    if store.have(key):
-        return key, 0
+    row = store.index.chunk(key) if store.have(key) else None
+    if row is not None:
+        return _Point(key, len(tokens), row["token_start"]), 0
     tensors, layout = contents()
+    tensors, layout, needs_from = window_rows.cut(tensors, layout, since)
+    needs_from = len(tokens) if needs_from is None else needs_from
     manifest = ChunkManifest(
-        store.fingerprint, SNAPSHOT, key, 0, len(tokens), tokens_hash(tokens), layers
+        store.fingerprint, SNAPSHOT, key, needs_from, len(tokens), tokens_hash(tokens), layers
     )
-    return key, store.write(manifest, tensors, {"layout": layout})
+    return _Point(key, len(tokens), needs_from), store.write(manifest, tensors, {"layout": layout})
 
 
 def _earlier_checkpoints(
     store: KVStore, previous: ConversationCache | None, fmt: str, tokens: list[int]
-) -> list[str]:
+) -> tuple[list[_Point], bool]:
     """The previous save's checkpoints, oldest first, that `tokens` still extend and
-    whose chunks are in `fmt` (a changed KV preference leaves none)."""
+    whose chunks are in `fmt` (a changed KV preference leaves none); and whether all it
+    listed are still there (one evicted or found damaged leaves a gap in the rows of
+    those after it)."""
     if previous is None:
-        return []
+        return [], True
     prefix_keys = _PrefixKeys(store.fingerprint, fmt, tokens)
-    kept = []
+    kept, intact = [], True
     for key in previous.checkpoint_keys:
         row = store.index.chunk(key)
-        if row and row["token_end"] < len(tokens) and prefix_keys.get(row["token_end"]) == key:
-            kept.append(key)
-    return kept
+        if row is None or not store.have(key):
+            intact = False
+        elif row["token_end"] < len(tokens) and prefix_keys.get(row["token_end"]) == key:
+            kept.append(_Point(key, row["token_end"], row["token_start"]))
+    return kept, intact
 
 
 def bytes_to_read(store: KVStore, entry: ConversationCache, usable: int) -> int:
-    """What restoring the first `usable` tokens of `entry` reads: its checkpoint, and
-    the chunks of the tokens before it."""
+    """What restoring the first `usable` tokens of `entry` reads: its checkpoint, those
+    before it that hold its windows' rows, and the chunks of the tokens before it."""
     try:
         picked = pick(store, entry, usable)
     except CacheRejected:
@@ -189,34 +226,74 @@ def bytes_to_read(store: KVStore, entry: ConversationCache, usable: int) -> int:
         return 0
     _, _, row = picked
     chunks = store.chunk_bytes(entry, row["token_end"]) if entry.chunk_keys else 0
-    return row["bytes"] + chunks
+    rows = [store.index.chunk(key) for key in entry.checkpoint_keys]
+    earlier = [r for r in rows if r and row["token_start"] < r["token_end"] < row["token_end"]]
+    return row["bytes"] + sum(r["bytes"] for r in earlier) + chunks
 
 
 def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list, int, int, int]:
-    """The latest checkpoint within the first `usable` tokens, its chunked layers put
-    back in their places; (cache, its token count, bytes read, which checkpoint of
-    the conversation's, from 1)."""
+    """The latest checkpoint within the first `usable` tokens, its windows' rows taken
+    from those before it where it holds only its own, and its chunked layers put back
+    in their places; (cache, its token count, bytes read, which checkpoint of the
+    conversation's, from 1)."""
     picked = pick(store, entry, usable)
     if picked is None:
         raise CacheRejected("the conversation changed before its first checkpoint")
     number, key, row = picked
     end = row["token_end"]
     template = make_prompt_cache(store.loaded.model)
-    manifest = ChunkManifest(
-        store.fingerprint, SNAPSHOT, key, 0, end, tokens_hash(entry.tokens[:end]), len(template)
-    )
-    tensors, metadata = read_checked(
-        path_from_url(row["url"], store.index.root), manifest.expected()
-    )
-    layout = metadata.get("layout", "")
+    reader = _CheckpointReader(store, entry, len(template))
+    tensors, layout = window_rows.fill(*reader.read(key, row), reader.ending_at)
     shapes = store.loaded.attention_shapes
     cache, in_chunks = snapshots.restore_checkpoint(template, tensors, layout, shapes)
-    size = row["bytes"]
+    size = reader.bytes
     if in_chunks:
         size += _put_chunked_layers(store, entry, end, cache, in_chunks)
     mx.eval([layer.state for layer in cache])
-    store.index.touch([key])
+    store.index.touch(reader.keys)
     return cache, end, size, number
+
+
+class _CheckpointReader:
+    """A restore's checkpoint files, each checked against its index row: the one picked
+    and those before it that hold its windows' rows (the conversation's own only)."""
+
+    def __init__(self, store: KVStore, entry: ConversationCache, layers: int) -> None:
+        self.store, self.entry, self.layers = store, entry, layers
+        self.prefix_keys = _PrefixKeys(store.fingerprint, entry.kv_format, entry.tokens)
+        self.keys: list[str] = []
+        self.bytes = 0
+
+    def read(self, key: str, row: dict) -> tuple[dict, str]:
+        end = row["token_end"]
+        manifest = ChunkManifest(
+            self.store.fingerprint,
+            SNAPSHOT,
+            key,
+            row["token_start"],
+            end,
+            tokens_hash(self.entry.tokens[:end]),
+            self.layers,
+        )
+        try:
+            path = path_from_url(row["url"], self.store.index.root)
+            tensors, metadata = read_checked(path, manifest.expected())
+        except CacheRejected:
+            # gone or damaged: so that the next save holds its windows whole, not
+            # leaving the rows it lacks to this one
+            self.store.index.delete_chunk(key)
+            raise
+        self.keys.append(key)
+        self.bytes += row["bytes"]
+        return tensors, metadata.get("layout", "")
+
+    def ending_at(self, end: int) -> tuple[dict, str]:
+        """The conversation's checkpoint of its first `end` tokens."""
+        key = self.prefix_keys.get(end) if 0 < end <= len(self.entry.tokens) else None
+        row = self.store.index.chunk(key) if key in self.entry.checkpoint_keys else None
+        if row is None or row["token_end"] != end:
+            raise CacheRejected("a checkpoint before this one is missing")
+        return self.read(key, row)
 
 
 def _put_chunked_layers(

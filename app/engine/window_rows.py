@@ -1,0 +1,240 @@
+"""Sliding windows in checkpoints that share their rows with the checkpoints before them.
+
+A checkpoint holds each sliding-window layer's window (app/engine/checkpoints.py):
+at a turn's end its last `max_size` positions, most of which the checkpoint before
+holds already. So a checkpoint written after another of the same conversation
+holds only the rows of the positions from that one's end on (`cut`), and says so
+in its layout: "rows": [first, end, held], the layer holds positions
+[end - held, end) and this file those from `first`. A restore takes the rows
+before `first` from the checkpoint that ends at `first`, and so on back (`fill`).
+A turn then writes its own tokens' rows once, not the whole window again.
+
+Rows are kept in position order. The app's windows (`MixedKVCache` with a
+`max_size`, in 16 bits) hold them so; mlx-lm's `RotatingKVCache` is a ring, turned
+to position order for the file and back into the same slots (its `_idx`) on the
+way in, so that the restored layer is the saved one slot for slot. A quantized
+window, or one that keeps its first tokens (`keep`), is saved whole, as before.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from sessions.cachefiles import CacheRejected
+
+# How far back a restore follows checkpoints for the rows of one: a window of
+# thousands of tokens over turns of a few each, and no further (a file's layout
+# names the positions it starts at: it cannot make a restore read without end).
+MAX_EARLIER = 256
+
+_WINDOW_CLASSES = ("RotatingKVCache", "MixedKVCache")
+
+Earlier = Callable[[int], tuple[dict, str]]  # a checkpoint's (tensors, layout) by its end
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A layer entry of a layout whose keys and values are rows of positions."""
+
+    entry: dict
+    names: tuple[str, ...]  # the tensors that hold its rows: keys and values, or their parts
+    offset: int  # its end: the positions it has seen
+    ring: bool  # a `RotatingKVCache`: its rows in slots, `idx` the next one written
+
+    @property
+    def idx(self) -> int:
+        return self.entry["items"][5][1]
+
+
+def _parts(layout: list) -> Iterator[dict]:
+    """Every layer entry of a layout, a CacheList's parts each."""
+    for spec in layout:
+        if isinstance(spec, dict) and isinstance(spec.get("parts"), list):
+            yield from _parts(spec["parts"])
+        elif isinstance(spec, dict):
+            yield spec
+
+
+def _value(items: list, n: int) -> object:
+    item = items[n] if n < len(items) else None
+    return item[1] if isinstance(item, list) and len(item) == 2 and item[0] == "value" else None
+
+
+def _names(item: object) -> list[str] | None:
+    """The tensor names of a state item that holds one array or several."""
+    if not isinstance(item, list) or len(item) != 2:
+        return None
+    kind, value = item
+    if kind == "array" and isinstance(value, str):
+        return [value]
+    if kind == "arrays" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    return None
+
+
+def _window(entry: dict) -> _Window | None:
+    """The entry as a window of rows, or None for a layer saved whole (not a window,
+    a quantized one, one that keeps its first tokens, or one this module can't read)."""
+    items = entry.get("items")
+    if not isinstance(items, list):
+        return None
+    keys, values = (_names(items[n]) if len(items) > n else None for n in (0, 1))
+    if not keys or not values:
+        return None
+    names = (*keys, *values)
+    if entry.get("class") == "RotatingKVCache" and len(items) == 6:
+        offset, keep, idx = _value(items, 2), _value(items, 3), _value(items, 5)
+        if type(offset) is int and keep == 0 and type(idx) is int and idx > 0:
+            return _Window(entry, names, offset, True)
+    if entry.get("class") == "MixedKVCache" and len(items) == 11 and len(keys) == 1:
+        # 16 bits (one array a half, not codes, scales and biases), no sink or recent
+        # rows apart, a window that keeps none of its first tokens
+        apart = all(items[n] == ["value", None] for n in range(2, 6))
+        offset, max_size, keep = _value(items, 6), _value(items, 9), _value(items, 10)
+        if apart and type(offset) is int and type(max_size) is int and keep == 0:
+            return _Window(entry, names, offset, False)
+    return None
+
+
+def _in_positions(window: _Window, tensors: dict[str, np.ndarray]) -> int | None:
+    """A window's rows put in position order in `tensors` (a ring's taken out of its
+    slots); how many it holds, or None when its counts do not fit its rows."""
+    held = tensors[window.names[0]].shape[2]
+    if not window.ring:
+        return held if held <= window.offset else None
+    if window.offset >= held and 0 < window.idx <= held:
+        for name in window.names:
+            ring = tensors[name]
+            tensors[name] = np.concatenate([ring[:, :, window.idx :], ring[:, :, : window.idx]], 2)
+        return held
+    if window.idx == window.offset <= held:  # not full yet: the slots after it are unused
+        for name in window.names:
+            tensors[name] = tensors[name][:, :, : window.offset]
+        return window.offset
+    return None
+
+
+def cut(tensors: dict[str, np.ndarray], layout_json: str, since: int) -> tuple[dict, str, int]:
+    """A checkpoint's snapshot (`snapshots.snapshot`) with its windows' rows in position
+    order, those before `since` left out (the checkpoint ending at `since` holds them);
+    and the first position whose rows it needs, from itself or the ones before (None
+    when it has no such window)."""
+    layout = json.loads(layout_json)
+    tensors = dict(tensors)
+    needs_from = None
+    for entry in _parts(layout):
+        window = _window(entry)
+        held = _in_positions(window, tensors) if window else None
+        if held is None:
+            continue
+        first, end = window.offset - held, window.offset
+        kept_from = max(first, min(since, end))
+        for name in window.names:
+            tensors[name] = np.ascontiguousarray(tensors[name][:, :, kept_from - first :])
+        entry["rows"] = [kept_from, end, held]
+        needs_from = first if needs_from is None else min(needs_from, first)
+    return tensors, json.dumps(layout), needs_from
+
+
+def fill(tensors: dict[str, mx.array], layout_json: str, earlier: Earlier) -> tuple[dict, str]:
+    """A checkpoint read from its file, its windows' rows completed from the checkpoints
+    before it (`earlier(end)`: the one ending at `end`) and a ring's put back in its
+    slots: the snapshot `snapshots.restore_checkpoint` takes. `CacheRejected` when the
+    rows do not add up."""
+    try:
+        layout = json.loads(layout_json)
+        parts = list(_parts(layout)) if isinstance(layout, list) else []
+    except (ValueError, RecursionError) as exc:  # a file's: any text at all
+        raise CacheRejected("unreadable snapshot layout") from exc
+    tensors, short = dict(tensors), {}
+    for i, entry in enumerate(parts):
+        # (other classes are for `restore_checkpoint` to refuse or restore as they are)
+        if "rows" in entry and entry.get("class") in _WINDOW_CLASSES:
+            window, rows = _window(entry), entry.pop("rows")
+            first = _checked_rows(window, rows, tensors)
+            short[i] = (window, first, rows[1] - rows[2])
+    if not short:
+        return tensors, layout_json
+    _take_earlier(short, tensors, earlier, len(parts))
+    for window, *_ in short.values():
+        if window.ring:
+            _into_slots(window, tensors)
+    return tensors, json.dumps(layout)
+
+
+def _checked_rows(window: _Window | None, rows: object, tensors: dict) -> int:
+    """The first position a window entry's own rows hold, checked against its counts
+    and its arrays."""
+    if window is None or not isinstance(rows, list) or len(rows) != 3:
+        raise CacheRejected("a window's rows that no window holds")
+    if not all(type(n) is int and 0 <= n < 2**31 for n in rows):
+        raise CacheRejected("a window's rows that are not counts")
+    first, end, held = rows
+    if end != window.offset or not 0 <= end - held <= first <= end:
+        raise CacheRejected("a window's rows outside its positions")
+    if window.ring and window.idx > held:
+        raise CacheRejected("a window's ring position outside its rows")
+    for name in window.names:
+        array = tensors.get(name)
+        if not isinstance(array, mx.array) or array.ndim != 4 or array.shape[2] != end - first:
+            raise CacheRejected(f"a window's rows of the wrong length in {name}")
+    return first
+
+
+def _take_earlier(short: dict, tensors: dict, earlier: Earlier, count: int) -> None:
+    """Each window's rows before its own first position (`short`: by the entry's place
+    in the layout, the window, its first position and the one it needs), from the
+    checkpoints ending there, latest first, until every window holds its rows."""
+    for _ in range(MAX_EARLIER):
+        needing = {i: item for i, item in short.items() if item[1] > item[2]}
+        if not needing:
+            return
+        at = max(first for _, first, _ in needing.values())
+        before_tensors, before_json = earlier(at)
+        try:
+            before = list(_parts(json.loads(before_json)))
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise CacheRejected("unreadable snapshot layout") from exc
+        if len(before) != count:
+            raise CacheRejected("the checkpoint before holds other layers")
+        for i, (window, first, start) in needing.items():
+            if first == at:
+                taken_from = _prepend(window, before[i], before_tensors, tensors, (start, at))
+                short[i] = (window, taken_from, start)
+    raise CacheRejected("a window's rows go back too far")
+
+
+def _prepend(window: _Window, entry: dict, before: dict, tensors: dict, span: tuple) -> int:
+    """The rows of positions [start, at) that the earlier checkpoint's `entry` holds, put
+    before the window's own in `tensors`; the first position it now holds."""
+    start, at = span
+    older = _window(entry)
+    if older is None or older.ring != window.ring or older.names != window.names:
+        raise CacheRejected("the checkpoint before holds other windows")
+    older_first = _checked_rows(older, entry.get("rows"), before)
+    if older.offset != at or older_first >= at:
+        raise CacheRejected("the checkpoint before holds none of the rows needed")
+    taken_from = max(older_first, start)
+    for name in window.names:
+        piece, own = before[name][:, :, taken_from - older_first :], tensors[name]
+        if (
+            piece.dtype != own.dtype
+            or piece.shape[:2] + piece.shape[3:] != own.shape[:2] + own.shape[3:]
+        ):
+            raise CacheRejected("the checkpoint before holds rows of another kind")
+        tensors[name] = mx.concatenate([piece, own], axis=2)
+    return taken_from
+
+
+def _into_slots(window: _Window, tensors: dict) -> None:
+    """A ring's rows, in position order, back in the slots it held them in: the
+    position before `idx` in the slot before it."""
+    for name in window.names:
+        rows = tensors[name]
+        turn = rows.shape[2] - window.idx
+        tensors[name] = mx.concatenate([rows[:, :, turn:], rows[:, :, :turn]], axis=2)

@@ -1,0 +1,233 @@
+"""Sliding windows whose checkpoints share rows with the ones before (issue 14).
+
+A turn's checkpoint holds the window rows of its own tokens, not the whole window
+again (app/engine/window_rows.py); a reopen puts each window together from the
+checkpoints back to where it starts, slot for slot as the live layer held it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from families import FAMILIES, build
+from mlx_lm.models.cache import RotatingKVCache
+from test_checkpoint_chunks import FILE_OVERHEAD, OPTIONS, asked_then, turn
+from test_families import assert_identical, fresh_reply
+
+from app.engine import snapshots, window_rows
+from app.engine.conversation import ConversationEngine, ReplyFinished
+from app.engine.kvquant import MixedKVCache
+from app.engine.kvscheme import SIXTEEN_BIT
+from sessions.cachefiles import CacheIndex, CacheRejected, path_from_url, read_file
+from sessions.db import open_db
+
+WINDOW = 64  # several short turns fit in it, so that a window spans checkpoints
+MESSAGES = ["hello there", "and then", "what next", "go on", "more", "and so", "again", "end"]
+
+
+@pytest.fixture(scope="module")
+def wide_model(starter_model_dir, tmp_path_factory):
+    """The family matrix's gemma3-style model with windows of 64 tokens."""
+    from app.engine.loading import load
+
+    family = FAMILIES["sliding"]
+    wide = replace(family, name="sliding-64", config={**family.config, "sliding_window": WINDOW})
+    return load(build(wide, starter_model_dir, tmp_path_factory.mktemp("wide")))
+
+
+def chat(loaded, turns: int) -> tuple[ConversationEngine, int, list]:
+    engine = ConversationEngine(open_db(), loaded)
+    conversation = engine.store.create(loaded.name)
+    saves = [turn(engine, conversation.id, text)[1] for text in MESSAGES[:turns]]
+    return engine, conversation.id, saves
+
+
+def kv_bytes_per_token(cache: list) -> int:
+    """What one token takes in every layer, global and windows (the CPU path's float16)."""
+    layers = [layer for layer in cache if type(layer) is MixedKVCache]
+    assert len(layers) == len(cache)
+    buffers = [(layer.bulk[0].buffers[0], layer.bulk[1].buffers[0]) for layer in layers]
+    return sum(2 * k.shape[1] * (k.shape[3] + v.shape[3]) for k, v in buffers)
+
+
+def layout_of(index: CacheIndex, key: str) -> list:
+    _, metadata = read_file(path_from_url(index.chunk(key)["url"]), {})
+    return json.loads(metadata["layout"])
+
+
+def test_a_turn_writes_its_own_tokens_rows_not_the_whole_window_again(wide_model):
+    engine, conversation_id, saves = chat(wide_model, 8)
+    index = CacheIndex(open_db())
+    entry = index.conversation(conversation_id)
+    ends = [index.chunk(key)["token_end"] for key in entry.checkpoint_keys]
+    per_token = kv_bytes_per_token(engine.session.cache)
+    turns = zip(ends[-4:-1], ends[-3:], strict=True)  # each turn's checkpoint, and the last
+    for saved, (before, after) in zip(saves[-3:], turns, strict=True):
+        new = after - before
+        assert 0 < new < WINDOW / 2  # a short turn: the old way wrote the whole window
+        files = saved.report.chunks_written
+        assert saved.report.bytes_written <= 1.3 * new * per_token + FILE_OVERHEAD * files
+    # The windows of the last checkpoint start in the ones before it.
+    windows = [spec for spec in layout_of(index, entry.checkpoint_keys[-1]) if "rows" in spec]
+    assert len(windows) == 2
+    assert all(first > end - held for first, end, held in (w["rows"] for w in windows))
+
+
+def test_a_reopen_puts_the_windows_together_as_they_were(wide_model, reading):
+    never_closed, kept, _ = chat(wide_model, 7)
+    expected, _ = turn(never_closed, kept, "so what now")
+
+    closed, conversation_id, _ = chat(wide_model, 7)
+    entry = closed.index.conversation(conversation_id)
+    restored = closed.kvstore.restore(entry, len(entry.tokens))
+    assert restored.rejected is None and restored.tokens == entry.tokens
+    assert_identical(restored.cache, closed.session.cache)
+    last = closed.index.chunk(entry.checkpoint_keys[-1])["bytes"]
+    chunks = closed.kvstore.chunk_bytes(entry, len(entry.tokens))
+    assert restored.bytes_read > last + chunks  # the checkpoints before it gave rows too
+
+    reopened = ConversationEngine(open_db(), wide_model)
+    finished, _ = turn(reopened, conversation_id, "so what now")
+    assert (finished.restore.source, finished.restore.rejected) == ("disk", None)
+    assert finished.text == expected.text
+
+
+def test_an_edit_resumes_from_a_checkpoint_whose_windows_go_back_further(wide_model):
+    engine, conversation_id, _ = chat(wide_model, 6)
+    fourth = engine.store.get(conversation_id).messages[6]  # the fourth user message
+    events = list(engine.edit(fourth.id, "an edited fourth message", OPTIONS))
+    edited = next(e for e in events if isinstance(e, ReplyFinished))
+    assert (edited.restore.source, edited.restore.rejected) == ("disk", None)
+
+    again, other, _ = chat(wide_model, 3)  # the edited chat, computed afresh
+    recomputed, _ = turn(again, other, "an edited fourth message")
+    assert edited.text == recomputed.text
+
+
+def test_a_chat_keeps_a_window_of_checkpoints_not_its_whole_history(wide_model):
+    _, conversation_id, _ = chat(wide_model, 8)
+    index = CacheIndex(open_db())
+    entry = index.conversation(conversation_id)
+    rows = [index.chunk(key) for key in entry.checkpoint_keys]
+    assert len(rows) > 4  # the four a turn can go on from, and those they need rows of
+    oldest_needed = min(row["token_start"] for row in rows[-4:])
+    assert rows[0]["token_end"] > oldest_needed  # none older than the windows need
+    assert rows[1]["token_end"] <= oldest_needed + WINDOW
+
+
+def test_a_lost_checkpoint_before_is_refused_and_the_next_save_stands_alone(wide_model, reading):
+    _, conversation_id, _ = chat(wide_model, 6)
+    index = CacheIndex(open_db())
+    entry = index.conversation(conversation_id)
+    path_from_url(index.chunk(entry.checkpoint_keys[-2])["url"]).unlink()
+
+    reopened = ConversationEngine(open_db(), wide_model)
+    finished, _ = turn(reopened, conversation_id, "so what now")
+    assert finished.restore.source == "recompute" and finished.restore.rejected
+    # recomputed in one prefill: the reply a fresh session gives
+    assert finished.text == fresh_reply(wide_model, asked_then(reopened, conversation_id), OPTIONS)
+    # The save after it holds its windows whole, and the chat reopens from it.
+    entry = index.conversation(conversation_id)
+    windows = [spec for spec in layout_of(index, entry.checkpoint_keys[-1]) if "rows" in spec]
+    assert all(first == end - held for first, end, held in (w["rows"] for w in windows))
+    later = ConversationEngine(open_db(), wide_model)
+    again, _ = turn(later, conversation_id, "and after that")
+    assert (again.restore.source, again.restore.rejected) == ("disk", None)
+
+
+# -- the layers themselves: every way a window fills, rotates and is cut ----------------
+
+
+def _feed(layer, sizes: list[int], seed: int) -> None:
+    """Tokens in steps of `sizes` (more than one: a prefill's concatenation; one: a
+    decode step, which rotates a full ring in place)."""
+    rng = np.random.default_rng(seed)
+    for n in sizes:
+        keys, values = (
+            mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float16)) for _ in "kv"
+        )
+        layer.update_and_fetch(keys, values)
+
+
+def _as_read(tensors: dict) -> dict:
+    return {name: mx.array(array) for name, array in tensors.items()}
+
+
+WAYS = {
+    "ring, prefills and decode steps": (
+        lambda: RotatingKVCache(max_size=12),
+        [5, 1, 1, 9, 1, 1, 1, 3, 1, 1, 1, 1, 1, 2, 1],
+    ),
+    "ring, decode steps only": (lambda: RotatingKVCache(max_size=12), [1] * 30),
+    "ring, one long prefill": (lambda: RotatingKVCache(max_size=12), [20, 1, 1, 1, 7]),
+    "16-bit window": (
+        lambda: MixedKVCache(SIXTEEN_BIT, max_size=12),
+        [5, 1, 1, 9, 1, 1, 3, 1, 1, 1, 2],
+    ),
+}
+
+
+@pytest.mark.parametrize("way", WAYS.values(), ids=WAYS.keys())
+def test_a_window_cut_at_every_point_comes_back_slot_for_slot(way):
+    make, sizes = way
+    live = make()
+    saved: dict[int, tuple[dict, str]] = {}
+    since = 0
+    for step in range(len(sizes)):
+        _feed(live, sizes[step : step + 1], seed=step)
+        tensors, layout = snapshots.snapshot([live])
+        tensors, layout, needs_from = window_rows.cut(tensors, layout, since)
+        first, end, held = json.loads(layout)[0]["rows"]  # only the rows since the last
+        assert (first, end, needs_from) == (max(end - held, since), live.offset, end - held)
+        saved[live.offset] = (_as_read(tensors), layout)
+        filled = window_rows.fill(*saved[live.offset], lambda end: saved[end])
+        restored, _ = snapshots.restore_checkpoint([make()], *filled)
+        assert_same_window(restored[0], live)
+        since = live.offset
+
+
+def assert_same_window(restored, live) -> None:
+    """The window holds what the live one does, and goes on as it does: a ring holds
+    its rows in the same slots (a ring not yet full is restored without its unused
+    slots, as mlx-lm's own loading does)."""
+    if type(live) is MixedKVCache:
+        assert_identical([restored], [live])
+        return
+    assert (restored.offset, restored._idx, restored.max_size) == (live.offset, live._idx, 12)
+    for ours, theirs in zip(restored.keys_and_values(), live.keys_and_values(), strict=True):
+        assert np.array_equal(np.array(ours), np.array(theirs))
+    twin = RotatingKVCache(max_size=12)  # goes on in the live one's stead
+    twin.keys, twin.values = mx.array(live.keys), mx.array(live.values)
+    twin.offset, twin._idx = live.offset, live._idx
+    for layer in (restored, twin):
+        _feed(layer, [1], seed=99)
+    for ours, theirs in zip(restored.keys_and_values(), twin.keys_and_values(), strict=True):
+        assert np.array_equal(np.array(ours), np.array(theirs))
+
+
+def test_rows_that_do_not_add_up_are_refused():
+    live = RotatingKVCache(max_size=12)
+    _feed(live, [10], seed=0)
+    first = window_rows.cut(*snapshots.snapshot([live]), 0)
+    _feed(live, [1, 1, 1], seed=1)
+    second = window_rows.cut(*snapshots.snapshot([live]), 10)
+    saved = {10: (_as_read(first[0]), first[1])}
+    tensors = _as_read(second[0])
+    layout = json.loads(second[1])
+
+    def refused(changed: list, earlier=lambda end: saved[end]) -> None:
+        with pytest.raises(CacheRejected):
+            window_rows.fill(tensors, json.dumps(changed), earlier)
+
+    refused([{**layout[0], "rows": [9, 13, 12]}])  # its arrays hold 3 rows, not 4
+    refused([{**layout[0], "rows": [10, 14, 12]}])  # an end that is not its offset
+    refused([{**layout[0], "rows": [10, 13, 14]}])  # more rows than its window holds
+    refused([{**layout[0], "rows": [10, 13, "12"]}])
+    refused(layout, earlier=lambda end: (_ for _ in ()).throw(CacheRejected("gone")))
+    other = json.loads(first[1])
+    other[0]["rows"] = [5, 10, 10]
+    refused(layout, earlier=lambda end: (saved[10][0], json.dumps(other)))  # 10 rows, not 5
