@@ -266,6 +266,10 @@ def test_bench_reopen_on_a_shape_builds_it_with_random_weights(tiny_model_dir):
     first, second = result["rows"]
     assert first["history_tokens"] >= 80 and first["ttft_restore_s"] > 0
     assert first["cold"] is True
+    # a new token's rows in every layer (2 layers x 2 heads x (64 + 64) wide x 2 bytes),
+    # which a cache of full attention holds for every token of its history, and more
+    assert first["new_rows_bytes_per_token"] == 2 * 2 * 128 * 2
+    assert first["cache_bytes"] / first["history_tokens"] > first["new_rows_bytes_per_token"]
     assert first["planner_estimates_s"]["restore"] is None  # no disk measured yet
     assert first["planner_choice"] == "restore" and first["planner_vs_faster"] >= 1
     assert all(v > 0 for v in second["planner_estimates_s"].values())
@@ -287,6 +291,9 @@ def test_bench_reopen_on_a_sliding_shape_reuses_its_checkpoint(tiny_model_dir):
     (row,) = json.loads(done.stdout)["rows"]
     assert row["restore_s"] > 0 and row["ttft_restore_s"] > 0
     assert row["prefetch_s"] > 0 and row["history_tokens"] >= 120
+    # its window holds a bounded part of the history: a new token's rows are more than
+    # the saved cache's bytes per token
+    assert row["cache_bytes"] / row["history_tokens"] < row["new_rows_bytes_per_token"]
 
 
 def test_bench_reopen_peer_without_what_it_needs_says_what_to_do(tiny_model_dir, tmp_path):

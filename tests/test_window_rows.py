@@ -19,9 +19,10 @@ from test_checkpoint_chunks import FILE_OVERHEAD, OPTIONS, asked_then, turn
 from test_families import assert_identical, fresh_reply
 
 from app.engine import snapshots, window_rows
-from app.engine.conversation import ConversationEngine, ReplyFinished
+from app.engine.conversation import ConversationEngine, ReplyFinished, TurnOptions
+from app.engine.generation import KVSettings
 from app.engine.kvquant import MixedKVCache
-from app.engine.kvscheme import SIXTEEN_BIT
+from app.engine.kvscheme import APP_SCHEMES, SIXTEEN_BIT
 from sessions.cachefiles import CacheIndex, CacheRejected, path_from_url, read_file
 from sessions.db import open_db
 
@@ -54,9 +55,11 @@ def kv_bytes_per_token(cache: list) -> int:
     return sum(2 * k.shape[1] * (k.shape[3] + v.shape[3]) for k, v in buffers)
 
 
-def layout_of(index: CacheIndex, key: str) -> list:
+def windows_of(index: CacheIndex, key: str) -> list[tuple[str, list[int]]]:
+    """(class, [first, end, held]) of each window of a checkpoint: positions [first, end)
+    are in its file, [end - held, first) in those before it."""
     _, metadata = read_file(path_from_url(index.chunk(key)["url"]), {})
-    return json.loads(metadata["layout"])
+    return [(s["class"], s["rows"]) for s in json.loads(metadata["layout"]) if "rows" in s]
 
 
 def test_a_turn_writes_its_own_tokens_rows_not_the_whole_window_again(wide_model):
@@ -72,9 +75,9 @@ def test_a_turn_writes_its_own_tokens_rows_not_the_whole_window_again(wide_model
         files = saved.report.chunks_written
         assert saved.report.bytes_written <= 1.3 * new * per_token + FILE_OVERHEAD * files
     # The windows of the last checkpoint start in the ones before it.
-    windows = [spec for spec in layout_of(index, entry.checkpoint_keys[-1]) if "rows" in spec]
+    windows = windows_of(index, entry.checkpoint_keys[-1])
     assert len(windows) == 2
-    assert all(first > end - held for first, end, held in (w["rows"] for w in windows))
+    assert all(first > end - held for _, (first, end, held) in windows)
 
 
 def test_a_reopen_puts_the_windows_together_as_they_were(wide_model, reading):
@@ -108,6 +111,21 @@ def test_an_edit_resumes_from_a_checkpoint_whose_windows_go_back_further(wide_mo
     assert edited.text == recomputed.text
 
 
+def test_an_8_bit_chats_windows_share_their_rows_too(wide_model):
+    quantized = TurnOptions(sampling=OPTIONS.sampling, kv=KVSettings(bits=8, group_size=32))
+    engine = ConversationEngine(open_db(), wide_model)
+    conversation_id = engine.store.create(wide_model.name).id
+    for text in MESSAGES[:6]:
+        list(engine.send(conversation_id, text, quantized))
+    entry = engine.index.conversation(conversation_id)
+    windows = windows_of(engine.index, entry.checkpoint_keys[-1])
+    assert [name for name, _ in windows] == ["MixedKVCache"] * 2
+    assert all(first > end - held for _, (first, end, held) in windows)
+    restored = engine.kvstore.restore(entry, len(entry.tokens))
+    assert restored.rejected is None
+    assert_identical(restored.cache, engine.session.cache)
+
+
 def test_a_chat_keeps_a_window_of_checkpoints_not_its_whole_history(wide_model):
     _, conversation_id, _ = chat(wide_model, 8)
     index = CacheIndex(open_db())
@@ -132,8 +150,8 @@ def test_a_lost_checkpoint_before_is_refused_and_the_next_save_stands_alone(wide
     assert finished.text == fresh_reply(wide_model, asked_then(reopened, conversation_id), OPTIONS)
     # The save after it holds its windows whole, and the chat reopens from it.
     entry = index.conversation(conversation_id)
-    windows = [spec for spec in layout_of(index, entry.checkpoint_keys[-1]) if "rows" in spec]
-    assert all(first == end - held for first, end, held in (w["rows"] for w in windows))
+    windows = windows_of(index, entry.checkpoint_keys[-1])
+    assert windows and all(first == end - held for _, (first, end, held) in windows)
     later = ConversationEngine(open_db(), wide_model)
     again, _ = turn(later, conversation_id, "and after that")
     assert (again.restore.source, again.restore.rejected) == ("disk", None)
@@ -148,7 +166,7 @@ def _feed(layer, sizes: list[int], seed: int) -> None:
     rng = np.random.default_rng(seed)
     for n in sizes:
         keys, values = (
-            mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float16)) for _ in "kv"
+            mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float16)) for _ in "kv"
         )
         layer.update_and_fetch(keys, values)
 
@@ -157,17 +175,19 @@ def _as_read(tensors: dict) -> dict:
     return {name: mx.array(array) for name, array in tensors.items()}
 
 
+def _window(bits: int) -> MixedKVCache:
+    """The app's quantized window, its 16-bit tail short enough to move along it."""
+    return MixedKVCache(replace(APP_SCHEMES[f"{bits}-bit"], window=4), max_size=12)
+
+
+STEPS = [5, 1, 1, 9, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1]
 WAYS = {
-    "ring, prefills and decode steps": (
-        lambda: RotatingKVCache(max_size=12),
-        [5, 1, 1, 9, 1, 1, 1, 3, 1, 1, 1, 1, 1, 2, 1],
-    ),
+    "ring, prefills and decode steps": (lambda: RotatingKVCache(max_size=12), STEPS),
     "ring, decode steps only": (lambda: RotatingKVCache(max_size=12), [1] * 30),
     "ring, one long prefill": (lambda: RotatingKVCache(max_size=12), [20, 1, 1, 1, 7]),
-    "16-bit window": (
-        lambda: MixedKVCache(SIXTEEN_BIT, max_size=12),
-        [5, 1, 1, 9, 1, 1, 3, 1, 1, 1, 2],
-    ),
+    "16-bit window": (lambda: MixedKVCache(SIXTEEN_BIT, max_size=12), STEPS),
+    "8-bit window": (lambda: _window(8), STEPS),
+    "4-bit window, keys rotated": (lambda: _window(4), STEPS),
 }
 
 

@@ -31,9 +31,11 @@ from pathlib import Path
 from app.bench import llama_cpp_peer, shapes
 from app.engine import loading, models
 from app.engine.chat import ChatSession
+from app.engine.codecs import stored_dtype
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
 from app.engine.errors import UserError
 from app.engine.generation import KVSettings, SamplingSettings
+from app.engine.kvscheme import parse_format
 from app.engine.planner import READ_BANDWIDTH, recompute_is_faster
 from app.resource_files import resource
 from sessions import paths
@@ -126,6 +128,8 @@ def measure(
         evict(cache_files(reopened, conversation.id))
     prefetched = measure_prefetch(loaded, reopened, conversation.id, options)
     follow_ups = measure_follow_ups(loaded, conversation.id, options, kv_bytes_per_token)
+    rows_per_token = row_bytes_per_token(loaded, entry.kv_format)
+    added = follow_ups.pop("follow_ups_tokens_added")
     choice = "recompute" if recompute_is_faster(planned) else "restore"
     chosen = recomputed.stats.ttft_s if choice == "recompute" else restored.ttft_s
     return {
@@ -145,6 +149,10 @@ def measure(
         "turn_new_tokens": new_tokens,
         "turn_bytes_written": saved.report.bytes_written,
         "written_vs_new_kv_bytes": saved.report.bytes_written / (new_tokens * kv_bytes_per_token),
+        "new_rows_bytes_per_token": rows_per_token,
+        "written_vs_new_rows_bytes": saved.report.bytes_written / (new_tokens * rows_per_token),
+        "follow_ups_written_vs_new_rows_bytes": follow_ups["follow_ups_bytes_written"]
+        / (added * rows_per_token),
         "planner_estimates_s": {"restore": planned[0], "recompute": planned[1]},
         "planner_choice": choice,  # "restore" too when nothing was measured yet
         "planner_vs_faster": chosen / min(restored.ttft_s, recomputed.stats.ttft_s),
@@ -213,7 +221,23 @@ def measure_follow_ups(
         "follow_ups": FOLLOW_UPS,
         "follow_ups_bytes_written": written,
         "follow_ups_written_vs_new_kv_bytes": written / (added * kv_bytes_per_token),
+        "follow_ups_tokens_added": added,
     }
+
+
+def row_bytes_per_token(loaded, fmt: str) -> float:
+    """What one token's keys and values take in every layer that holds them, saved as
+    `fmt`: the KV a new token adds, in a sliding window's layers too (its row stays
+    saved until the window has moved past it). For a model of full attention about the
+    cache's bytes per token (`written_vs_new_kv_bytes`); for one with windows more, as
+    they hold a bounded part of the history."""
+    dtype = stored_dtype(fmt)
+    try:
+        bits = dtype.size * 8 if dtype is not None else parse_format(fmt).bits_per_value()
+    except ValueError:  # windows alone: checkpoints only, in 16 bits
+        bits = 16
+    shapes = [shape for _, shape in loaded.attention_shapes if shape is not None]
+    return sum(shape.heads * (shape.key_dim + shape.value_dim) for shape in shapes) * bits / 8
 
 
 def main(args: argparse.Namespace) -> int:
@@ -292,7 +316,7 @@ HEADER = (
     f"{'TTFT restore':>13} {'TTFT recompute':>15} "
     f"{'speedup':>8} {'restore/raw read':>17} {'written/new KV':>15} "
     f"{'TTFT prefetched':>16} {'TTFT in memory':>15} {'planner':>18} "
-    f"{'follow-ups written/new KV':>26}"
+    f"{'follow-ups written/new KV':>26} {'/new rows':>10}"
 )
 
 
@@ -305,5 +329,6 @@ def row_text(r: dict) -> str:
         f"{r['restore_vs_raw_read']:16.2f}x {r['written_vs_new_kv_bytes']:14.2f}x "
         f"{r['ttft_prefetched_s']:15.3f}s {r['ttft_in_memory_s']:14.3f}s "
         f"{r['planner_choice']:>10} {r['planner_vs_faster']:6.2f}x "
-        f"{r['follow_ups_written_vs_new_kv_bytes']:25.2f}x{peer}"
+        f"{r['follow_ups_written_vs_new_kv_bytes']:25.2f}x "
+        f"{r['follow_ups_written_vs_new_rows_bytes']:9.2f}x{peer}"
     )

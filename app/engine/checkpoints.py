@@ -147,6 +147,7 @@ def save(
         else:
             reused += 1
     kept = [point.key for point in _kept([*earlier, *new])]
+    store.index.touch(kept)  # used together: evicted, any one would cost the later ones
     store.point_conversation(conversation_id, fmt, tokens, keys, kept)
     return written, reused, size
 

@@ -10,10 +10,12 @@ before `first` from the checkpoint that ends at `first`, and so on back (`fill`)
 A turn then writes its own tokens' rows once, not the whole window again.
 
 Rows are kept in position order. The app's windows (`MixedKVCache` with a
-`max_size`, in 16 bits) hold them so; mlx-lm's `RotatingKVCache` is a ring, turned
-to position order for the file and back into the same slots (its `_idx`) on the
-way in, so that the restored layer is the saved one slot for slot. A quantized
-window, or one that keeps its first tokens (`keep`), is saved whole, as before.
+`max_size`) hold them so, every position quantized in a quantized one, whose
+recent 16-bit rows go whole into each checkpoint (a position's codes are the same
+whenever its 16-bit row is quantized: app/engine/kvquant.py). mlx-lm's
+`RotatingKVCache` is a ring, turned to position order for the file and back into
+the same slots (its `_idx`) on the way in, so that the restored layer is the saved
+one slot for slot. A window that keeps its first tokens (`keep`) is saved whole.
 """
 
 from __future__ import annotations
@@ -91,12 +93,13 @@ def _window(entry: dict) -> _Window | None:
         offset, keep, idx = _value(items, 2), _value(items, 3), _value(items, 5)
         if type(offset) is int and keep == 0 and type(idx) is int and idx > 0:
             return _Window(entry, names, offset, True)
-    if entry.get("class") == "MixedKVCache" and len(items) == 11 and len(keys) == 1:
-        # 16 bits (one array a half, not codes, scales and biases), no sink or recent
-        # rows apart, a window that keeps none of its first tokens
-        apart = all(items[n] == ["value", None] for n in range(2, 6))
+    if entry.get("class") == "MixedKVCache" and len(items) == 11 and len(keys) in (1, 3):
+        # every token held in the bulk (16 bits, or codes, scales and biases), no sink (a
+        # window that keeps none of its first tokens); its recent 16-bit rows, the last
+        # few positions, go whole into each checkpoint
+        no_sink = items[2] == items[3] == ["value", None]
         offset, max_size, keep = _value(items, 6), _value(items, 9), _value(items, 10)
-        if apart and type(offset) is int and type(max_size) is int and keep == 0:
+        if no_sink and type(offset) is int and type(max_size) is int and keep == 0:
             return _Window(entry, names, offset, False)
     return None
 
