@@ -1,21 +1,23 @@
 """Sliding windows in checkpoints that share their rows with the checkpoints before them.
 
-A checkpoint holds each sliding-window layer's window (app/engine/checkpoints.py):
-at a turn's end its last `max_size` positions, most of which the checkpoint before
-holds already. So a checkpoint written after another of the same conversation
-holds only the rows of the positions from that one's end on (`cut`), and says so
-in its layout: "rows": [first, end, held], the layer holds positions
-[end - held, end) and this file those from `first`. A restore takes the rows
-before `first` from the checkpoint that ends at `first`, and so on back (`fill`).
-A turn then writes its own tokens' rows once, not the whole window again.
+A checkpoint holds each sliding-window layer's window (app/engine/checkpoints.py),
+and each of Llama 4's local layers' chunk: at a turn's end its last `max_size`
+positions (up to `chunk_size`), most of which the checkpoint before holds already.
+So a checkpoint written after another of the same conversation holds only the rows
+of the positions from that one's end on (`cut`), and says so in its layout:
+"rows": [first, end, held], the layer holds positions [end - held, end) and this
+file those from `first`. A restore takes the rows before `first` from the
+checkpoint that ends at `first`, and so on back (`fill`). A turn then writes its
+own tokens' rows once, not the whole window again.
 
-Rows are kept in position order. The app's windows (`MixedKVCache` with a
-`max_size`) hold them so, every position quantized in a quantized one, whose
-recent 16-bit rows go whole into each checkpoint (a position's codes are the same
-whenever its 16-bit row is quantized: app/engine/kvquant.py). mlx-lm's
-`RotatingKVCache` is a ring, turned to position order for the file and back into
-the same slots (its `_idx`) on the way in, so that the restored layer is the saved
-one slot for slot. A window that keeps its first tokens (`keep`) is saved whole.
+Rows are kept in position order. The app's windows and chunks (`MixedKVCache` with
+a `max_size`, `ChunkedMixedKVCache`) and mlx-lm's `ChunkedKVCache` hold them so,
+every position quantized in a quantized one, whose recent 16-bit rows go whole
+into each checkpoint (a position's codes are the same whenever its 16-bit row is
+quantized: app/engine/kvquant.py). mlx-lm's `RotatingKVCache` is a ring, turned to
+position order for the file and back into the same slots (its `_idx`) on the way
+in, so that the restored layer is the saved one slot for slot. A window that keeps
+its first tokens (`keep`) is saved whole.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from sessions.cachefiles import CacheRejected
 # names the positions it starts at: it cannot make a restore read without end).
 MAX_EARLIER = 256
 
-_WINDOW_CLASSES = ("RotatingKVCache", "MixedKVCache")
+_WINDOW_CLASSES = ("RotatingKVCache", "MixedKVCache", "ChunkedKVCache", "ChunkedMixedKVCache")
 
 Earlier = Callable[[int], tuple[dict, str]]  # a checkpoint's (tensors, layout) by its end
 
@@ -80,26 +82,31 @@ def _names(item: object) -> list[str] | None:
 
 
 def _window(entry: dict) -> _Window | None:
-    """The entry as a window of rows, or None for a layer saved whole (not a window,
-    a quantized one, one that keeps its first tokens, or one this module can't read)."""
-    items = entry.get("items")
-    if not isinstance(items, list):
+    """The entry as a window of rows, or None for a layer saved whole (not a window, one
+    that keeps its first tokens, or one this module can't read)."""
+    items, name = entry.get("items"), entry.get("class")
+    if not isinstance(items, list) or len(items) < 3:
         return None
-    keys, values = (_names(items[n]) if len(items) > n else None for n in (0, 1))
+    keys, values = _names(items[0]), _names(items[1])
     if not keys or not values:
         return None
     names = (*keys, *values)
-    if entry.get("class") == "RotatingKVCache" and len(items) == 6:
+    if name == "RotatingKVCache" and len(items) == 6:
         offset, keep, idx = _value(items, 2), _value(items, 3), _value(items, 5)
         if type(offset) is int and keep == 0 and type(idx) is int and idx > 0:
             return _Window(entry, names, offset, True)
-    if entry.get("class") == "MixedKVCache" and len(items) == 11 and len(keys) in (1, 3):
+    if name == "ChunkedKVCache" and len(items) == 5:  # Llama 4's local layers: their chunk
+        offset = _value(items, 2)
+        return _Window(entry, names, offset, False) if type(offset) is int else None
+    mixed = {"MixedKVCache": 11, "ChunkedMixedKVCache": 13}
+    if mixed.get(name) == len(items) and len(keys) in (1, 3):
         # every token held in the bulk (16 bits, or codes, scales and biases), no sink (a
         # window that keeps none of its first tokens); its recent 16-bit rows, the last
         # few positions, go whole into each checkpoint
         no_sink = items[2] == items[3] == ["value", None]
         offset, max_size, keep = _value(items, 6), _value(items, 9), _value(items, 10)
-        if no_sink and type(offset) is int and type(max_size) is int and keep == 0:
+        moves = type(max_size) is int or name == "ChunkedMixedKVCache"  # its front
+        if no_sink and type(offset) is int and moves and keep == 0:
             return _Window(entry, names, offset, False)
     return None
 
