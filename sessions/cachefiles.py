@@ -108,7 +108,10 @@ class CacheIndex:
         kv_format: str,
         start: int,
         end: int,
+        rows_from: int | None = None,
     ) -> None:
+        """`rows_from`: where a checkpoint's own window rows begin, when it leaves those
+        before to the checkpoint before it (app/engine/window_rows.py)."""
         stamp = now()
         self.db["cache_chunks"].upsert(
             {
@@ -118,6 +121,7 @@ class CacheIndex:
                 "kv_format": kv_format,
                 "token_start": start,
                 "token_end": end,
+                "rows_from": rows_from,
                 "bytes": size,
                 "created": stamp,
                 "last_used": stamp,

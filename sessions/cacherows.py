@@ -118,6 +118,9 @@ def chunk_entry(row: dict) -> dict:
         raise CacheRejected("damaged index row (not a chunk key)")
     start = _int(row, "token_start")
     end = _int(row, "token_end", low=start)
+    rows_from = None if row.get("rows_from") is None else _int(row, "rows_from", low=start)
+    if rows_from is not None and rows_from > end:
+        raise CacheRejected(f"damaged index row (rows_from is {rows_from}, past its end)")
     return {
         "key": row["key"],
         "url": _text(row, "url"),
@@ -125,6 +128,7 @@ def chunk_entry(row: dict) -> dict:
         "kv_format": _text(row, "kv_format"),
         "token_start": start,
         "token_end": end,
+        "rows_from": rows_from,
         "bytes": _int(row, "bytes"),
         "created": _text(row, "created", optional=True),
         "last_used": _text(row, "last_used", optional=True),

@@ -134,6 +134,14 @@ def m005_checkpoint_keys(db: sqlite_utils.Database) -> None:
     )
 
 
+@migrations()
+def m006_checkpoint_rows(db: sqlite_utils.Database) -> None:
+    # A checkpoint that holds only the window rows since the one before it
+    # (app/engine/window_rows.py) records where its own rows begin; NULL: its rows are
+    # all its own (a chunk, or a checkpoint saved before).
+    db["cache_chunks"].add_column("rows_from", int)
+
+
 def open_db(
     path: Path | None = None,
     busy_timeout_s: float = BUSY_TIMEOUT_S,

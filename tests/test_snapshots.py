@@ -9,7 +9,7 @@ import pytest
 from conftest import SLIDING_WINDOW
 from tampering import rewrite_chunk, rewrite_layout
 
-from app.engine import checkpoints
+from app.engine import checkpoint_chain
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
@@ -175,7 +175,7 @@ def test_an_edit_resumes_from_the_checkpoint_before_it_and_drops_the_old_branch(
 
 
 def test_a_conversation_keeps_its_latest_checkpoints(sliding_model, monkeypatch):
-    monkeypatch.setattr(checkpoints, "MAX_CHECKPOINTS", 2)
+    monkeypatch.setattr(checkpoint_chain, "MAX_CHECKPOINTS", 2)
     options = TurnOptions(sampling=SamplingSettings.greedy(2))
     engine = ConversationEngine(open_db(), sliding_model)
     conversation = engine.store.create(sliding_model.name)

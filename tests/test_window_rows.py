@@ -18,7 +18,7 @@ from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
 from test_checkpoint_chunks import FILE_OVERHEAD, OPTIONS, asked_then, turn
 from test_families import assert_identical, fresh_reply
 
-from app.engine import snapshots, window_rows
+from app.engine import checkpoint_chain, snapshots, window_rows
 from app.engine.conversation import ConversationEngine, ReplyFinished, TurnOptions
 from app.engine.generation import KVSettings
 from app.engine.kvchunked import ChunkedMixedKVCache
@@ -56,11 +56,11 @@ def kv_bytes_per_token(cache: list) -> int:
     return sum(2 * k.shape[1] * (k.shape[3] + v.shape[3]) for k, v in buffers)
 
 
-def windows_of(index: CacheIndex, key: str) -> list[tuple[str, list[int]]]:
+def windows_of(index: CacheIndex, key: str, rows: str = "rows") -> list[tuple[str, list[int]]]:
     """(class, [first, end, held]) of each window of a checkpoint: positions [first, end)
     are in its file, [end - held, first) in those before it."""
     _, metadata = read_file(path_from_url(index.chunk(key)["url"]), {})
-    return [(s["class"], s["rows"]) for s in json.loads(metadata["layout"]) if "rows" in s]
+    return [(s["class"], s[rows]) for s in json.loads(metadata["layout"]) if rows in s]
 
 
 def test_a_turn_writes_its_own_tokens_rows_not_the_whole_window_again(wide_model):
@@ -122,6 +122,9 @@ def test_an_8_bit_chats_windows_share_their_rows_too(wide_model):
     windows = windows_of(engine.index, entry.checkpoint_keys[-1])
     assert [name for name, _ in windows] == ["MixedKVCache"] * 2
     assert all(first > end - held for _, (first, end, held) in windows)
+    # and their recent 16-bit rows (here the whole window: 8-bit keeps 64 in 16 bits)
+    recent = windows_of(engine.index, entry.checkpoint_keys[-1], "recent_rows")
+    assert len(recent) == 2 and all(first > end - held for _, (first, end, held) in recent)
     restored = engine.kvstore.restore(entry, len(entry.tokens))
     assert restored.rejected is None
     assert_identical(restored.cache, engine.session.cache)
@@ -156,6 +159,79 @@ def test_a_lost_checkpoint_before_is_refused_and_the_next_save_stands_alone(wide
     later = ConversationEngine(open_db(), wide_model)
     again, _ = turn(later, conversation_id, "and after that")
     assert (again.restore.source, again.restore.rejected) == ("disk", None)
+
+
+def test_a_chat_saved_before_windows_shared_rows_reopens_after_it_goes_on(wide_model, monkeypatch):
+    with monkeypatch.context() as before:  # as the version before saved: windows whole
+        before.setattr(window_rows, "cut", lambda tensors, layout, since: (tensors, layout, 0))
+        before.setattr(checkpoint_chain, "parent", lambda points: None)
+        engine, conversation_id, _ = chat(wide_model, 4)
+    old = engine.index.chunk(engine.index.conversation(conversation_id).checkpoint_keys[-1])
+    assert (old["token_start"], old["rows_from"]) == (0, None)
+    turn(engine, conversation_id, "and now")  # this version: the rows since the last
+    entry = engine.index.conversation(conversation_id)
+    assert all(
+        first > end - held
+        for _, (first, end, held) in windows_of(engine.index, entry.checkpoint_keys[-1])
+    )
+    restored = engine.kvstore.restore(entry, len(entry.tokens))
+    assert (restored.rejected, restored.tokens) == (None, entry.tokens)
+    assert_identical(restored.cache, engine.session.cache)
+
+
+def test_a_checkpoint_lost_in_the_middle_leaves_the_ones_before_it(wide_model):
+    engine, conversation_id, _ = chat(wide_model, 8)
+    entry = engine.index.conversation(conversation_id)
+    ends = [engine.index.chunk(key)["token_end"] for key in entry.checkpoint_keys]
+    engine.index.delete_chunk(entry.checkpoint_keys[-3])  # evicted
+
+    reopened = ConversationEngine(open_db(), wide_model)
+    finished, _ = turn(reopened, conversation_id, "so what now")
+    # the two after it take rows from it: the one before it is the latest whole chain
+    assert (finished.restore.source, finished.restore.rejected) == ("disk", None)
+    assert finished.restore.checkpoint == len(ends) - 3
+    assert finished.stats.reused_tokens == ends[-4]
+    entry = engine.index.conversation(conversation_id)  # the save after it stands alone
+    windows = windows_of(engine.index, entry.checkpoint_keys[-1])
+    assert windows and all(first == end - held for _, (first, end, held) in windows)
+    restored = reopened.kvstore.restore(entry, len(entry.tokens))
+    assert (restored.rejected, restored.tokens) == (None, entry.tokens)
+    # its windows are the live ones (the global layer's chunks kept from before hold
+    # the tokens the turn recomputed as they were first computed, as chunks always do)
+    assert_identical(restored.cache[:2], reopened.session.cache[:2])
+
+
+def test_a_reply_given_again_after_a_lost_checkpoint_is_saved_whole_again(wide_model):
+    engine, conversation_id, _ = chat(wide_model, 6)
+    entry = engine.index.conversation(conversation_id)
+    engine.index.delete_chunk(entry.checkpoint_keys[-2])  # the last one's rows begin there
+    reply = engine.store.get(conversation_id).messages[-1]
+    events = list(engine.regenerate(conversation_id, OPTIONS))
+    assert next(e for e in events if isinstance(e, ReplyFinished)).text == reply.content
+    again = engine.index.conversation(conversation_id)
+    assert again.checkpoint_keys[-1] == entry.checkpoint_keys[-1]  # the same tokens, and key
+    windows = windows_of(engine.index, again.checkpoint_keys[-1])
+    assert windows and all(first == end - held for _, (first, end, held) in windows)
+    restored = engine.kvstore.restore(again, len(again.tokens))
+    assert (restored.rejected, restored.checkpoint) == (None, len(again.checkpoint_keys))
+
+
+def test_a_window_goes_back_through_no_more_checkpoints_than_a_restore_reads(
+    wide_model, monkeypatch
+):
+    monkeypatch.setattr(window_rows, "MAX_EARLIER", 2)
+    engine, conversation_id, _ = chat(wide_model, 8)
+    entry = engine.index.conversation(conversation_id)
+    rows = [engine.index.chunk(key) for key in entry.checkpoint_keys]
+    points = [
+        checkpoint_chain.Point.of(k, r) for k, r in zip(entry.checkpoint_keys, rows, strict=True)
+    ]
+    chains = [checkpoint_chain.chain(point, points) for point in points[-4:]]
+    assert all(found is not None and len(found) <= 3 for found in chains)
+    assert any(point.whole for point in points[-4:])  # one holds its windows whole again
+    restored = engine.kvstore.restore(entry, len(entry.tokens))
+    assert restored.rejected is None
+    assert_identical(restored.cache, engine.session.cache)
 
 
 # -- the layers themselves: every way a window fills, rotates and is cut ----------------

@@ -27,18 +27,15 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from app.engine import snapshots, window_rows
+from app.engine import checkpoint_chain, snapshots, window_rows
 from app.engine.cache_keys import SNAPSHOT, cache_parts, checkpoint_key, kv_format, tokens_hash
+from app.engine.checkpoint_chain import Point
 from app.engine.codecs import ChunkManifest, chunk_classes, stored_dtype, stored_format
 from app.engine.stored_arrays import read_checked
 from sessions.cachefiles import CacheRejected, ConversationCache, path_from_url
 
 if TYPE_CHECKING:
     from app.engine.kvstore import KVStore
-
-# Checkpoints kept per conversation: the ends of its last turns, so that an edit or a
-# regenerate resumes from the one before the change; an edit further back recomputes.
-MAX_CHECKPOINTS = 4
 
 
 def chunk_format(cache: list, sixteen_bit: str | None) -> str | None:
@@ -133,87 +130,69 @@ def save(
     points = [(taken.tokens, lambda: (taken.tensors, taken.layout))] if taken else []
     window_type = _window_type(store.sixteen_bit)
     points.append((len(tokens), lambda: snapshots.snapshot(cache, slots, window_type)))
-    earlier, intact = _earlier_checkpoints(store, previous, fmt, tokens[: points[0][0]])
-    since = earlier[-1].end if earlier and intact else 0
-    new = []
+    earlier = _earlier_checkpoints(store, previous, fmt, tokens[: points[0][0]])
+    new: list[Point] = []
     for end, contents in points:
         point, size_written = _write_checkpoint(
-            store, fmt, tokens[:end], len(cache), contents, since
+            store, (fmt, tokens[:end], len(cache)), contents, [*earlier, *new]
         )
         new.append(point)
-        since = end
         if size_written:
             written, size = written + 1, size + size_written
         else:
             reused += 1
-    kept = [point.key for point in _kept([*earlier, *new])]
+    kept = [point.key for point in checkpoint_chain.kept([*earlier, *new])]
     store.index.touch(kept)  # used together: evicted, any one would cost the later ones
     store.point_conversation(conversation_id, fmt, tokens, keys, kept)
     return written, reused, size
 
 
-@dataclass(frozen=True)
-class _Point:
-    """A saved checkpoint: its key, the tokens it holds, and the first position whose
-    window rows it needs, from itself or the checkpoints before it (its index row's
-    token_start; 0 for one saved before they shared rows, which may need any)."""
-
-    key: str
-    end: int
-    needs_from: int
-
-
-def _kept(points: list[_Point]) -> list[_Point]:
-    """The checkpoints a conversation keeps, oldest first: the last MAX_CHECKPOINTS,
-    where a turn can go on from, and the ones before them that hold rows they need
-    (`window_rows`: a checkpoint holds only the rows since the one before it)."""
-    resumable = points[-MAX_CHECKPOINTS:]
-    needed_from = min(point.needs_from for point in resumable)
-    return [p for p in points[: -len(resumable)] if p.end > needed_from] + resumable
-
-
 def _write_checkpoint(
-    store: KVStore,
-    fmt: str,
-    tokens: list[int],
-    layers: int,
-    contents: Callable[[], tuple],
-    since: int,
-) -> tuple[_Point, int]:
-    """The checkpoint of `tokens`, written from `contents()` (tensors, layout) unless
-    saved already, its windows' rows before `since` left to the checkpoint that ends
-    there (`window_rows.cut`); (it, bytes written: 0 when reused)."""
+    store: KVStore, what: tuple[str, list[int], int], contents: Callable, before: list[Point]
+) -> tuple[Point, int]:
+    """The checkpoint of `tokens` (`what`: the chunks' format, the tokens, the layer count),
+    written from `contents()` (tensors, layout) unless saved already, its windows' rows
+    before the end of the last of the conversation's checkpoints `before` left to that
+    one (`window_rows.cut`, `checkpoint_chain.parent`); (it, bytes written: 0 when
+    reused). One saved already whose chain `before` lacks (another chat's, or one whose
+    checkpoint before was lost) is written again, whole."""
+    fmt, tokens, layers = what
     key = checkpoint_key(store.fingerprint, fmt, tokens)
     row = store.index.chunk(key) if store.have(key) else None
     if row is not None:
-        return _Point(key, len(tokens), row["token_start"]), 0
+        saved = Point.of(key, row)
+        if checkpoint_chain.chain(saved, before) is not None:
+            return saved, 0
+        store.index.delete_chunk(key)
     tensors, layout = contents()
+    parent = checkpoint_chain.parent(before) if row is None else None
+    since = parent.end if parent else 0
     tensors, layout, needs_from = window_rows.cut(tensors, layout, since)
     needs_from = len(tokens) if needs_from is None else needs_from
+    rows_from = since if needs_from < since else None
     manifest = ChunkManifest(
         store.fingerprint, SNAPSHOT, key, needs_from, len(tokens), tokens_hash(tokens), layers
     )
-    return _Point(key, len(tokens), needs_from), store.write(manifest, tensors, {"layout": layout})
+    size = store.write(manifest, tensors, {"layout": layout}, rows_from)
+    return Point(key, len(tokens), needs_from, rows_from, size), size
 
 
 def _earlier_checkpoints(
     store: KVStore, previous: ConversationCache | None, fmt: str, tokens: list[int]
-) -> tuple[list[_Point], bool]:
-    """The previous save's checkpoints, oldest first, that `tokens` still extend and
-    whose chunks are in `fmt` (a changed KV preference leaves none); and whether all it
-    listed are still there (one evicted or found damaged leaves a gap in the rows of
-    those after it)."""
+) -> list[Point]:
+    """The previous save's checkpoints, oldest first, that `tokens` still extend, whose
+    chunks are in `fmt` (a changed KV preference leaves none) and whose files are there."""
     if previous is None:
-        return [], True
+        return []
     prefix_keys = _PrefixKeys(store.fingerprint, fmt, tokens)
-    kept, intact = [], True
+    kept = []
     for key in previous.checkpoint_keys:
         row = store.index.chunk(key)
-        if row is None or not store.have(key):
-            intact = False
-        elif row["token_end"] < len(tokens) and prefix_keys.get(row["token_end"]) == key:
-            kept.append(_Point(key, row["token_end"], row["token_start"]))
-    return kept, intact
+        if row is None or row["token_end"] >= len(tokens) or not store.have(key):
+            continue
+        if prefix_keys.get(row["token_end"]) == key:
+            kept.append(Point.of(key, row))
+    return kept
 
 
 def bytes_to_read(store: KVStore, entry: ConversationCache, usable: int) -> int:
@@ -225,11 +204,9 @@ def bytes_to_read(store: KVStore, entry: ConversationCache, usable: int) -> int:
         return 0
     if picked is None:
         return 0
-    _, _, row = picked
+    _, _, row, chain = picked
     chunks = store.chunk_bytes(entry, row["token_end"]) if entry.chunk_keys else 0
-    rows = [store.index.chunk(key) for key in entry.checkpoint_keys]
-    earlier = [r for r in rows if r and row["token_start"] < r["token_end"] < row["token_end"]]
-    return row["bytes"] + sum(r["bytes"] for r in earlier) + chunks
+    return sum(point.size for point in chain) + chunks
 
 
 def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list, int, int, int]:
@@ -240,7 +217,7 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
     picked = pick(store, entry, usable)
     if picked is None:
         raise CacheRejected("the conversation changed before its first checkpoint")
-    number, key, row = picked
+    number, key, row, _ = picked
     end = row["token_end"]
     template = make_prompt_cache(store.loaded.model)
     reader = _CheckpointReader(store, entry, len(template))
@@ -316,23 +293,27 @@ def _put_chunked_layers(
 
 
 def pick(store: KVStore, entry: ConversationCache, usable: int) -> tuple | None:
-    """(number from 1, key, row) of the latest saved checkpoint that ends within the
-    first `usable` tokens, before any evicted chunk, and whose key is theirs; None
-    when there is none, `CacheRejected` when the chunks' rows are damaged."""
+    """(number from 1, key, row, its chain: `checkpoint_chain.chain`) of the latest saved
+    checkpoint that ends within the first `usable` tokens, before any evicted chunk,
+    whose key is theirs and whose chain is all there; None when there is none,
+    `CacheRejected` when the chunks' rows are damaged."""
     limit = min(usable, len(entry.tokens))
     if entry.chunk_keys:
         chunks = store.saved_chunks(entry)
         if not chunks:
             raise CacheRejected("cache files were evicted")
         limit = min(limit, chunks[-1][2])
+    rows = {key: row for key in entry.checkpoint_keys if (row := store.index.chunk(key))}
+    points = [Point.of(key, row) for key, row in rows.items()]  # each read checks its key
     prefix_keys = _PrefixKeys(store.fingerprint, entry.kv_format, entry.tokens)
     for number in range(len(entry.checkpoint_keys), 0, -1):
         key = entry.checkpoint_keys[number - 1]
-        row = store.index.chunk(key)
+        row = rows.get(key)
         if row is None or not 0 < row["token_end"] <= limit:
             continue  # evicted, or past the change
-        if prefix_keys.get(row["token_end"]) == key:
-            return number, key, row
+        found = checkpoint_chain.chain(Point.of(key, row), points)
+        if found is not None and prefix_keys.get(row["token_end"]) == key:
+            return number, key, row, found
     return None
 
 

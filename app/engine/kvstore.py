@@ -241,11 +241,18 @@ class KVStore:
     def have(self, key: str) -> bool:
         return self.index.chunk(key) is not None and self.index.chunk_path(key).is_file()
 
-    def write(self, manifest: ChunkManifest, tensors: dict, extra: dict | None = None) -> int:
-        """The file first, then its index row (a crash between leaves an orphan file)."""
+    def write(
+        self,
+        manifest: ChunkManifest,
+        tensors: dict,
+        extra: dict | None = None,
+        rows_from: int | None = None,
+    ) -> int:
+        """The file first, then its index row (a crash between leaves an orphan file);
+        `rows_from`: a checkpoint's, `CacheIndex.add_chunk`."""
         path = self.index.chunk_path(manifest.key)
         size = write_file(path, tensors, {**manifest.to_metadata(), **(extra or {})})
-        span = (manifest.token_start, manifest.token_end)
+        span = (manifest.token_start, manifest.token_end, rows_from)
         self.index.add_chunk(manifest.key, path, size, self.fingerprint, manifest.kv_format, *span)
         return size
 

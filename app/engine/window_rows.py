@@ -31,10 +31,12 @@ import numpy as np
 
 from sessions.cachefiles import CacheRejected
 
-# How far back a restore follows checkpoints for the rows of one: a window of
-# thousands of tokens over turns of a few each, and no further (a file's layout
-# names the positions it starts at: it cannot make a restore read without end).
-MAX_EARLIER = 256
+# How far back a restore follows checkpoints for the rows of one. A save writes its
+# windows whole rather than make a chain longer (`checkpoints.save`): a window of
+# thousands of tokens over turns of a few each would make every restore read as many
+# files. (A file's layout names the positions it starts at: it cannot make a restore
+# read without end.)
+MAX_EARLIER = 64
 
 _WINDOW_CLASSES = ("RotatingKVCache", "MixedKVCache", "ChunkedKVCache", "ChunkedMixedKVCache")
 
@@ -42,11 +44,22 @@ Earlier = Callable[[int], tuple[dict, str]]  # a checkpoint's (tensors, layout) 
 
 
 @dataclass(frozen=True)
+class _Rows:
+    """Rows of consecutive positions a layer holds, ending at its offset: its tokens
+    ("rows"), or a quantized window's recent 16-bit ones ("recent_rows"), which the
+    layout names under `key`, held in the tensors `names` (keys and values, or their
+    codes, scales and biases)."""
+
+    key: str
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class _Window:
-    """A layer entry of a layout whose keys and values are rows of positions."""
+    """A layer entry of a layout whose state is rows of positions."""
 
     entry: dict
-    names: tuple[str, ...]  # the tensors that hold its rows: keys and values, or their parts
+    groups: tuple[_Rows, ...]
     offset: int  # its end: the positions it has seen
     ring: bool  # a `RotatingKVCache`: its rows in slots, `idx` the next one written
 
@@ -90,46 +103,59 @@ def _window(entry: dict) -> _Window | None:
     keys, values = _names(items[0]), _names(items[1])
     if not keys or not values:
         return None
-    names = (*keys, *values)
+    rows = _Rows("rows", (*keys, *values))
     if name == "RotatingKVCache" and len(items) == 6:
         offset, keep, idx = _value(items, 2), _value(items, 3), _value(items, 5)
         if type(offset) is int and keep == 0 and type(idx) is int and idx > 0:
-            return _Window(entry, names, offset, True)
+            return _Window(entry, (rows,), offset, True)
     if name == "ChunkedKVCache" and len(items) == 5:  # Llama 4's local layers: their chunk
         offset = _value(items, 2)
-        return _Window(entry, names, offset, False) if type(offset) is int else None
+        return _Window(entry, (rows,), offset, False) if type(offset) is int else None
     mixed = {"MixedKVCache": 11, "ChunkedMixedKVCache": 13}
     if mixed.get(name) == len(items) and len(keys) in (1, 3):
         # every token held in the bulk (16 bits, or codes, scales and biases), no sink (a
-        # window that keeps none of its first tokens); its recent 16-bit rows, the last
-        # few positions, go whole into each checkpoint
+        # window that keeps none of its first tokens), the recent 16-bit rows apart
         no_sink = items[2] == items[3] == ["value", None]
         offset, max_size, keep = _value(items, 6), _value(items, 9), _value(items, 10)
         moves = type(max_size) is int or name == "ChunkedMixedKVCache"  # its front
         if no_sink and type(offset) is int and moves and keep == 0:
-            return _Window(entry, names, offset, False)
+            recent_k, recent_v = _names(items[4]), _names(items[5])
+            recent = _Rows("recent_rows", (*recent_k, *recent_v)) if recent_k and recent_v else None
+            return _Window(entry, (rows, recent) if recent else (rows,), offset, False)
     return None
 
 
-def _in_positions(window: _Window, tensors: dict[str, np.ndarray]) -> int | None:
+def _join(pieces: list) -> object:
+    """Arrays joined along the tokens: numpy's for a save, mlx's for a restore."""
+    if any(isinstance(piece, mx.array) for piece in pieces):
+        return mx.concatenate([mx.array(p) if isinstance(p, np.ndarray) else p for p in pieces], 2)
+    return np.concatenate(pieces, 2)
+
+
+def _in_positions(window: _Window, tensors: dict) -> dict[str, int] | None:
     """A window's rows put in position order in `tensors` (a ring's taken out of its
-    slots); how many it holds, or None when its counts do not fit its rows."""
-    held = tensors[window.names[0]].shape[2]
+    slots); how many each group holds, or None when its counts do not fit its rows."""
+    arrays = [tensors.get(name) for group in window.groups for name in group.names]
+    if not all(isinstance(a, mx.array | np.ndarray) and a.ndim == 4 for a in arrays):
+        return None
+    held = {group.key: tensors[group.names[0]].shape[2] for group in window.groups}
     if not window.ring:
-        return held if held <= window.offset else None
-    if window.offset >= held and 0 < window.idx <= held:
-        for name in window.names:
-            ring = tensors[name]
-            tensors[name] = np.concatenate([ring[:, :, window.idx :], ring[:, :, : window.idx]], 2)
+        return held if all(n <= window.offset for n in held.values()) else None
+    (names,), idx, ring_size = [g.names for g in window.groups], window.idx, held["rows"]
+    if window.offset >= ring_size and 0 < idx <= ring_size:
+        for name in names:
+            tensors[name] = _join([tensors[name][:, :, idx:], tensors[name][:, :, :idx]])
         return held
-    if window.idx == window.offset <= held:  # not full yet: the slots after it are unused
-        for name in window.names:
+    if idx == window.offset <= ring_size:  # not full yet: the slots after it are unused
+        for name in names:
             tensors[name] = tensors[name][:, :, : window.offset]
-        return window.offset
+        return {"rows": window.offset}
     return None
 
 
-def cut(tensors: dict[str, np.ndarray], layout_json: str, since: int) -> tuple[dict, str, int]:
+def cut(
+    tensors: dict[str, np.ndarray], layout_json: str, since: int
+) -> tuple[dict, str, int | None]:
     """A checkpoint's snapshot (`snapshots.snapshot`) with its windows' rows in position
     order, those before `since` left out (the checkpoint ending at `since` holds them);
     and the first position whose rows it needs, from itself or the ones before (None
@@ -140,14 +166,13 @@ def cut(tensors: dict[str, np.ndarray], layout_json: str, since: int) -> tuple[d
     for entry in _parts(layout):
         window = _window(entry)
         held = _in_positions(window, tensors) if window else None
-        if held is None:
-            continue
-        first, end = window.offset - held, window.offset
-        kept_from = max(first, min(since, end))
-        for name in window.names:
-            tensors[name] = np.ascontiguousarray(tensors[name][:, :, kept_from - first :])
-        entry["rows"] = [kept_from, end, held]
-        needs_from = first if needs_from is None else min(needs_from, first)
+        for group in window.groups if held else ():
+            first, end = window.offset - held[group.key], window.offset
+            kept_from = max(first, min(since, end))
+            for name in group.names:
+                tensors[name] = np.ascontiguousarray(tensors[name][:, :, kept_from - first :])
+            entry[group.key] = [kept_from, end, held[group.key]]
+            needs_from = first if needs_from is None else min(needs_from, first)
     return tensors, json.dumps(layout), needs_from
 
 
@@ -163,11 +188,12 @@ def fill(tensors: dict[str, mx.array], layout_json: str, earlier: Earlier) -> tu
         raise CacheRejected("unreadable snapshot layout") from exc
     tensors, short = dict(tensors), {}
     for i, entry in enumerate(parts):
-        # (other classes are for `restore_checkpoint` to refuse or restore as they are)
+        # (other classes, and a window saved whole, are for `restore_checkpoint`)
         if "rows" in entry and entry.get("class") in _WINDOW_CLASSES:
-            window, rows = _window(entry), entry.pop("rows")
-            first = _checked_rows(window, rows, tensors)
-            short[i] = (window, first, rows[1] - rows[2])
+            window = _window(entry)
+            for group in window.groups if window else (None,):
+                first, start = _own_rows(window, group, entry, tensors)
+                short[i, group.key] = (window, group, first, start)
     if not short:
         return tensors, layout_json
     _take_earlier(short, tensors, earlier, len(parts))
@@ -177,9 +203,23 @@ def fill(tensors: dict[str, mx.array], layout_json: str, earlier: Earlier) -> tu
     return tensors, json.dumps(layout)
 
 
-def _checked_rows(window: _Window | None, rows: object, tensors: dict) -> int:
-    """The first position a window entry's own rows hold, checked against its counts
-    and its arrays."""
+def _own_rows(window: _Window | None, group: _Rows | None, entry: dict, tensors: dict) -> tuple:
+    """(first, needed from) of the rows of `group` a checkpoint's own file holds: as its
+    layout says (taken out of it), or all it holds where it says nothing (a quantized
+    window's recent rows, saved whole)."""
+    if window is None:
+        raise CacheRejected("a window's rows that no window holds")
+    rows = entry.pop(group.key, None)
+    if rows is None and group.key == "recent_rows":
+        held = tensors[group.names[0]].shape[2] if group.names[0] in tensors else -1
+        rows = [window.offset - held, window.offset, held]
+    first = _checked_rows(window, group, rows, tensors)
+    return first, rows[1] - rows[2]
+
+
+def _checked_rows(window: _Window | None, group: _Rows, rows: object, tensors: dict) -> int:
+    """The first position a window's own rows of `group` hold, checked against its
+    counts and its arrays."""
     if window is None or not isinstance(rows, list) or len(rows) != 3:
         raise CacheRejected("a window's rows that no window holds")
     if not all(type(n) is int and 0 <= n < 2**31 for n in rows):
@@ -189,7 +229,7 @@ def _checked_rows(window: _Window | None, rows: object, tensors: dict) -> int:
         raise CacheRejected("a window's rows outside its positions")
     if window.ring and window.idx > held:
         raise CacheRejected("a window's ring position outside its rows")
-    for name in window.names:
+    for name in group.names:
         array = tensors.get(name)
         if not isinstance(array, mx.array) or array.ndim != 4 or array.shape[2] != end - first:
             raise CacheRejected(f"a window's rows of the wrong length in {name}")
@@ -198,13 +238,14 @@ def _checked_rows(window: _Window | None, rows: object, tensors: dict) -> int:
 
 def _take_earlier(short: dict, tensors: dict, earlier: Earlier, count: int) -> None:
     """Each window's rows before its own first position (`short`: by the entry's place
-    in the layout, the window, its first position and the one it needs), from the
-    checkpoints ending there, latest first, until every window holds its rows."""
+    in the layout and the group, the window, the group, its first position and the one
+    it needs), from the checkpoints ending there, latest first, until every window
+    holds its rows."""
     for _ in range(MAX_EARLIER):
-        needing = {i: item for i, item in short.items() if item[1] > item[2]}
+        needing = {at: item for at, item in short.items() if item[2] > item[3]}
         if not needing:
             return
-        at = max(first for _, first, _ in needing.values())
+        at = max(first for _, _, first, _ in needing.values())
         before_tensors, before_json = earlier(at)
         try:
             before = list(_parts(json.loads(before_json)))
@@ -212,31 +253,44 @@ def _take_earlier(short: dict, tensors: dict, earlier: Earlier, count: int) -> N
             raise CacheRejected("unreadable snapshot layout") from exc
         if len(before) != count:
             raise CacheRejected("the checkpoint before holds other layers")
-        for i, (window, first, start) in needing.items():
+        for (i, key), (window, group, first, start) in needing.items():
             if first == at:
-                taken_from = _prepend(window, before[i], before_tensors, tensors, (start, at))
-                short[i] = (window, taken_from, start)
+                older = _older_rows(window, group, before[i], before_tensors)
+                taken_from = _prepend(group, older, tensors, (start, at))
+                short[i, key] = (window, group, taken_from, start)
     raise CacheRejected("a window's rows go back too far")
 
 
-def _prepend(window: _Window, entry: dict, before: dict, tensors: dict, span: tuple) -> int:
-    """The rows of positions [start, at) that the earlier checkpoint's `entry` holds, put
-    before the window's own in `tensors`; the first position it now holds."""
-    start, at = span
+def _older_rows(window: _Window, group: _Rows, entry: dict, tensors: dict) -> tuple[int, dict]:
+    """(first position, tensors) of the rows of `group` that the checkpoint before holds
+    in `entry`: as its layout says, or, in one saved whole before checkpoints shared
+    their rows, all it holds (a ring's taken out of its slots)."""
     older = _window(entry)
-    if older is None or older.ring != window.ring or older.names != window.names:
+    if older is None or older.ring != window.ring or older.groups != window.groups:
         raise CacheRejected("the checkpoint before holds other windows")
-    older_first = _checked_rows(older, entry.get("rows"), before)
-    if older.offset != at or older_first >= at:
+    if "rows" not in entry:
+        held = _in_positions(older, tensors)
+        if held is None or held.keys() != {g.key for g in older.groups}:
+            raise CacheRejected("the checkpoint before holds a window that does not add up")
+        for key, n in held.items():
+            entry[key] = [older.offset - n, older.offset, n]
+    first = _checked_rows(older, group, entry.get(group.key), tensors)
+    return first, tensors
+
+
+def _prepend(group: _Rows, older: tuple[int, dict], tensors: dict, span: tuple) -> int:
+    """The rows of positions [start, at) that the checkpoint before holds from `first`
+    on, put before the window's own in `tensors`; the first position it now holds."""
+    (start, at), (first, before) = span, older
+    if first >= at:
         raise CacheRejected("the checkpoint before holds none of the rows needed")
-    taken_from = max(older_first, start)
-    for name in window.names:
-        piece, own = before[name][:, :, taken_from - older_first :], tensors[name]
-        if (
-            piece.dtype != own.dtype
-            or piece.shape[:2] + piece.shape[3:] != own.shape[:2] + own.shape[3:]
-        ):
+    taken_from = max(first, start)
+    for name in group.names:
+        piece, own = before[name][:, :, taken_from - first :], tensors[name]
+        if not isinstance(piece, mx.array) or piece.dtype != own.dtype:
             raise CacheRejected("the checkpoint before holds rows of another kind")
+        if piece.shape[:2] + piece.shape[3:] != own.shape[:2] + own.shape[3:]:
+            raise CacheRejected("the checkpoint before holds rows of another shape")
         tensors[name] = mx.concatenate([piece, own], axis=2)
     return taken_from
 
@@ -244,7 +298,7 @@ def _prepend(window: _Window, entry: dict, before: dict, tensors: dict, span: tu
 def _into_slots(window: _Window, tensors: dict) -> None:
     """A ring's rows, in position order, back in the slots it held them in: the
     position before `idx` in the slot before it."""
-    for name in window.names:
+    for name in window.groups[0].names:
         rows = tensors[name]
         turn = rows.shape[2] - window.idx
         tensors[name] = mx.concatenate([rows[:, :, turn:], rows[:, :, :turn]], axis=2)
