@@ -20,6 +20,7 @@ import random
 import mlx.core as mx
 import pytest
 from test_checkpoint_chunks import started, words_model  # noqa: F401  (a fixture)
+from test_window_rows import chat, wide_model  # noqa: F401  (a fixture)
 
 from app.engine.conversation import ConversationEngine
 from sessions.cachefiles import CacheIndex, path_from_url, read_file, write_file
@@ -64,10 +65,8 @@ def mutate(layout: list, rng: random.Random) -> str:
     return kind
 
 
-@pytest.fixture
-def checkpoint(words_model):  # noqa: F811
-    """A two-turn conversation's last checkpoint: (conversation id, path, bytes, layout)."""
-    _, conversation_id = started(words_model, 2)
+def last_checkpoint(conversation_id: int) -> tuple:
+    """A conversation's last checkpoint: (conversation id, path, bytes, layout)."""
     index = CacheIndex(open_db())
     key = index.conversation(conversation_id).checkpoint_keys[-1]
     path = path_from_url(index.chunk(key)["url"])
@@ -75,11 +74,28 @@ def checkpoint(words_model):  # noqa: F811
     return conversation_id, path, path.read_bytes(), json.loads(metadata["layout"])
 
 
-def test_a_mutated_checkpoint_layout_is_refused_or_runs(words_model, checkpoint, capsys):  # noqa: F811
+@pytest.fixture
+def checkpoint(words_model):  # noqa: F811
+    """A two-turn conversation's last checkpoint, its windows whole (its turns are
+    longer than them)."""
+    _, conversation_id = started(words_model, 2)
+    return last_checkpoint(conversation_id)
+
+
+@pytest.fixture
+def chained_checkpoint(wide_model):  # noqa: F811
+    """An eight-turn conversation's last checkpoint, whose windows hold only the rows
+    since the one before it (app/engine/window_rows.py)."""
+    _, conversation_id, _ = chat(wide_model, 8)
+    return last_checkpoint(conversation_id)
+
+
+def fuzz(model, checkpoint: tuple) -> collections.Counter:
+    """TRIALS mutations of the checkpoint's layout, each restored; their outcomes."""
     conversation_id, path, original, layout = checkpoint
     tensors, metadata = read_file(path, {})
     metadata = {k: v for k, v in metadata.items() if k != "checksum"}
-    engine = ConversationEngine(open_db(), words_model)
+    engine = ConversationEngine(open_db(), model)
     entry = engine.index.conversation(conversation_id)
     rng = random.Random(SEED)
     outcomes: collections.Counter = collections.Counter()
@@ -93,14 +109,35 @@ def test_a_mutated_checkpoint_layout_is_refused_or_runs(words_model, checkpoint,
                 assert result.rejected, kind
                 outcomes["refused"] += 1
                 continue
-            logits = words_model.model(mx.array([[5]]), cache=result.cache)
+            logits = model.model(mx.array([[5]]), cache=result.cache)
             mx.eval(logits)
             outcomes["restored and ran"] += 1
     finally:
         path.write_bytes(original)
+    return outcomes
+
+
+def test_a_mutated_checkpoint_layout_is_refused_or_runs(words_model, checkpoint, capsys):  # noqa: F811
+    outcomes = fuzz(words_model, checkpoint)
     with capsys.disabled():
         print(f"\ncheckpoint layout fuzz, {TRIALS} trials (seed {SEED}): {dict(outcomes)}")
     assert outcomes["refused"] > 0
+
+
+def test_a_mutated_chained_checkpoint_layout_is_refused_or_runs(
+    wide_model,  # noqa: F811
+    chained_checkpoint,
+    capsys,
+):
+    """The same for a checkpoint whose windows' rows go back into the ones before it."""
+    assert any(
+        "rows" in spec and spec["rows"][0] > spec["rows"][1] - spec["rows"][2]
+        for spec in chained_checkpoint[3]
+    )
+    outcomes = fuzz(wide_model, chained_checkpoint)
+    with capsys.disabled():
+        print(f"\nchained checkpoint layout fuzz, {TRIALS} trials (seed {SEED}): {dict(outcomes)}")
+    assert outcomes["refused"] > 0 and outcomes["restored and ran"] > 0
 
 
 def _first_value_item(layout: list) -> list:
