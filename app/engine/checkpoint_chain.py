@@ -70,5 +70,5 @@ def kept(points: list[Point]) -> list[Point]:
     """The checkpoints a conversation keeps, oldest first: the last MAX_CHECKPOINTS,
     where a turn can go on from, and the ones before them that hold rows they need."""
     resumable = points[-MAX_CHECKPOINTS:]
-    needed_from = min(point.needs_from for point in resumable)
-    return [p for p in points[: -len(resumable)] if p.end > needed_from] + resumable
+    needed = {p.key for point in resumable for p in chain(point, points) or [point]}
+    return [point for point in points if point.key in needed]
