@@ -240,10 +240,14 @@ def _take_earlier(short: dict, tensors: dict, earlier: Earlier, count: int) -> N
     """Each window's rows before its own first position (`short`: by the entry's place
     in the layout and the group, the window, the group, its first position and the one
     it needs), from the checkpoints ending there, latest first, until every window
-    holds its rows."""
+    holds its rows. Each tensor's pieces are joined once, at the end: prepended one by
+    one, a window over many short turns would be copied as many times."""
+    pieces: dict[str, list] = {}  # latest first
     for _ in range(MAX_EARLIER):
         needing = {at: item for at, item in short.items() if item[2] > item[3]}
         if not needing:
+            for name, earlier_rows in pieces.items():
+                tensors[name] = mx.concatenate([*earlier_rows[::-1], tensors[name]], axis=2)
             return
         at = max(first for _, _, first, _ in needing.values())
         before_tensors, before_json = earlier(at)
@@ -256,7 +260,7 @@ def _take_earlier(short: dict, tensors: dict, earlier: Earlier, count: int) -> N
         for (i, key), (window, group, first, start) in needing.items():
             if first == at:
                 older = _older_rows(window, group, before[i], before_tensors)
-                taken_from = _prepend(group, older, tensors, (start, at))
+                taken_from = _prepend(group, older, tensors, (start, at), pieces)
                 short[i, key] = (window, group, taken_from, start)
     raise CacheRejected("a window's rows go back too far")
 
@@ -278,9 +282,12 @@ def _older_rows(window: _Window, group: _Rows, entry: dict, tensors: dict) -> tu
     return first, tensors
 
 
-def _prepend(group: _Rows, older: tuple[int, dict], tensors: dict, span: tuple) -> int:
+def _prepend(
+    group: _Rows, older: tuple[int, dict], tensors: dict, span: tuple, pieces: dict
+) -> int:
     """The rows of positions [start, at) that the checkpoint before holds from `first`
-    on, put before the window's own in `tensors`; the first position it now holds."""
+    on, added to the `pieces` that go before the window's own in `tensors`; the first
+    position it now holds."""
     (start, at), (first, before) = span, older
     if first >= at:
         raise CacheRejected("the checkpoint before holds none of the rows needed")
@@ -291,7 +298,7 @@ def _prepend(group: _Rows, older: tuple[int, dict], tensors: dict, span: tuple) 
             raise CacheRejected("the checkpoint before holds rows of another kind")
         if piece.shape[:2] + piece.shape[3:] != own.shape[:2] + own.shape[3:]:
             raise CacheRejected("the checkpoint before holds rows of another shape")
-        tensors[name] = mx.concatenate([piece, own], axis=2)
+        pieces.setdefault(name, []).append(piece)
     return taken_from
 
 
