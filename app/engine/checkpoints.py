@@ -21,6 +21,7 @@ or a regenerate) with the chunks of the tokens before it, trimmed to them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,8 +32,11 @@ from app.engine import checkpoint_chain, snapshots, window_rows
 from app.engine.cache_keys import SNAPSHOT, cache_parts, checkpoint_key, kv_format, tokens_hash
 from app.engine.checkpoint_chain import Point
 from app.engine.codecs import ChunkManifest, chunk_classes, stored_dtype, stored_format
-from app.engine.stored_arrays import read_checked
-from sessions.cachefiles import CacheRejected, ConversationCache, path_from_url
+from app.engine.stored_arrays import in_mlx
+from sessions.cachefiles import CacheRejected, ConversationCache, path_from_url, read_file
+
+# Checkpoint files read ahead of the one whose rows are being taken apart.
+_READ_AHEAD = 4
 
 if TYPE_CHECKING:
     from app.engine.kvstore import KVStore
@@ -217,11 +221,12 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
     picked = pick(store, entry, usable)
     if picked is None:
         raise CacheRejected("the conversation changed before its first checkpoint")
-    number, key, row, _ = picked
+    number, key, row, chain = picked
     end = row["token_end"]
     template = make_prompt_cache(store.loaded.model)
-    reader = _CheckpointReader(store, entry, len(template))
-    tensors, layout = window_rows.fill(*reader.read(key, row), reader.ending_at)
+    with ThreadPoolExecutor(_READ_AHEAD) as pool:
+        reader = _CheckpointReader(store, entry, len(template), (pool, chain[1:]))
+        tensors, layout = window_rows.fill(*reader.read(key, row), reader.ending_at)
     shapes = store.loaded.attention_shapes
     cache, in_chunks = snapshots.restore_checkpoint(template, tensors, layout, shapes)
     size = reader.bytes
@@ -234,15 +239,24 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
 
 class _CheckpointReader:
     """A restore's checkpoint files, each checked against its index row: the one picked
-    and those before it that hold its windows' rows (the conversation's own only)."""
+    and those before it that hold its windows' rows (the conversation's own only). Those
+    are read and checked ahead on `pool`'s threads, a few at a time, while the rows of the
+    later ones are taken apart: a chain of short turns is many small files."""
 
-    def __init__(self, store: KVStore, entry: ConversationCache, layers: int) -> None:
+    def __init__(self, store: KVStore, entry: ConversationCache, layers: int, ahead: tuple) -> None:
         self.store, self.entry, self.layers = store, entry, layers
         self.prefix_keys = _PrefixKeys(store.fingerprint, entry.kv_format, entry.tokens)
         self.keys: list[str] = []
         self.bytes = 0
+        pool, chain = ahead
+        self._ahead = {}
+        for point in chain:  # the index is read here: its connection is this thread's
+            row = store.index.chunk(point.key)
+            if row is not None:  # host memory there (mlx's streams are a thread's own)
+                self._ahead[point.key] = pool.submit(read_file, *self._file(point.key, row))
 
-    def read(self, key: str, row: dict) -> tuple[dict, str]:
+    def _file(self, key: str, row: dict) -> tuple:
+        """(path, what its metadata must say) of a checkpoint's file."""
         end = row["token_end"]
         manifest = ChunkManifest(
             self.store.fingerprint,
@@ -253,9 +267,12 @@ class _CheckpointReader:
             tokens_hash(self.entry.tokens[:end]),
             self.layers,
         )
+        return path_from_url(row["url"], self.store.index.root), manifest.expected()
+
+    def read(self, key: str, row: dict) -> tuple[dict, str]:
         try:
-            path = path_from_url(row["url"], self.store.index.root)
-            tensors, metadata = read_checked(path, manifest.expected())
+            ahead = self._ahead.pop(key, None)
+            tensors, metadata = ahead.result() if ahead else read_file(*self._file(key, row))
         except CacheRejected:
             # gone or damaged: so that the next save holds its windows whole, not
             # leaving the rows it lacks to this one
@@ -263,7 +280,7 @@ class _CheckpointReader:
             raise
         self.keys.append(key)
         self.bytes += row["bytes"]
-        return tensors, metadata.get("layout", "")
+        return in_mlx(tensors), metadata.get("layout", "")
 
     def ending_at(self, end: int) -> tuple[dict, str]:
         """The conversation's checkpoint of its first `end` tokens."""

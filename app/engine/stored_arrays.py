@@ -16,12 +16,11 @@ from __future__ import annotations
 import bisect
 import io
 import itertools
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from sessions.cachefiles import CacheRejected, read_file
+from sessions.cachefiles import CacheRejected
 from sessions.safetensors_header import TensorSpec, as_bytes, encode_header, layout
 
 _STORED_DTYPES = (mx.float32, mx.float16, mx.uint32, mx.uint16)
@@ -91,19 +90,12 @@ def empty_layers(
     return [(layer, np.asarray(layer)) for layer in layers]
 
 
-def load_mlx(path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Read a cache file straight into mlx memory (cheaper here than fresh numpy buffers)."""
-    tensors, metadata = mx.load(str(path), return_metadata=True)
-    mx.eval(list(tensors.values()))
-    return tensors, metadata
-
-
-def read_checked(path: Path, expect: dict[str, str]) -> tuple[dict[str, mx.array], dict]:
-    """A cache file's arrays in mlx memory and its metadata, checked by `read_file`."""
+def in_mlx(arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:
+    """Checked host arrays as mlx arrays: in the GPU's memory where it has its own
+    (`to_device`), copied into mlx's elsewhere."""
     if device_apart():
-        tensors, metadata = read_file(path, expect)
-        return to_device(tensors), metadata
-    return read_file(path, expect, load=load_mlx)
+        return to_device(arrays)
+    return {name: mx.array(array) for name, array in arrays.items()}
 
 
 def device_apart() -> bool:
