@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from safetensors.numpy import save_file
 from tampering import rewrite_chunk
 
-from app.engine import kvstore
+from app.engine import stored_arrays
 from app.engine.cache_keys import describe_cache
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
@@ -274,7 +274,7 @@ def test_reading_in_threads_keeps_the_order_and_stops_at_a_failure():
             raise ValueError("three")
         return i * 10
 
-    results = kvstore._read_in_threads(read, [(i,) for i in range(50)], 4)
+    results = stored_arrays.read_in_threads(read, [(i,) for i in range(50)], 4)
     assert [next(results) for _ in range(3)] == [0, 10, 20]
     with pytest.raises(ValueError, match="three"):
         next(results)

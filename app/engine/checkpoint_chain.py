@@ -30,11 +30,10 @@ class Point:
     end: int  # the tokens it holds
     needs_from: int  # the first position whose rows it needs (0 in one saved before)
     rows_from: int | None  # where its own rows begin; None: all it needs is its own
-    size: int = 0  # its bytes
 
     @classmethod
     def of(cls, key: str, row: dict) -> Point:
-        return cls(key, row["token_end"], row["token_start"], row["rows_from"], row["bytes"])
+        return cls(key, row["token_end"], row["token_start"], row["rows_from"])
 
     @property
     def whole(self) -> bool:

@@ -21,7 +21,7 @@ or a regenerate) with the chunks of the tokens before it, trimmed to them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,7 @@ from app.engine import checkpoint_chain, snapshots, window_rows
 from app.engine.cache_keys import SNAPSHOT, cache_parts, checkpoint_key, kv_format, tokens_hash
 from app.engine.checkpoint_chain import Point
 from app.engine.codecs import ChunkManifest, chunk_classes, stored_dtype, stored_format
-from app.engine.stored_arrays import in_mlx
+from app.engine.stored_arrays import in_mlx, read_in_threads
 from sessions.cachefiles import CacheRejected, ConversationCache, path_from_url, read_file
 
 # Checkpoint files read ahead of the one whose rows are being taken apart.
@@ -162,7 +162,9 @@ def _write_checkpoint(
     checkpoint before was lost) is written again, whole."""
     fmt, tokens, layers = what
     key = checkpoint_key(store.fingerprint, fmt, tokens)
-    row = store.index.chunk(key) if store.have(key) else None
+    row = store.index.chunk(key)
+    if row is not None and not store.index.chunk_path(key).is_file():
+        row = None  # a row whose file is gone: written again (`KVStore.have`)
     if row is not None:
         saved = Point.of(key, row)
         if checkpoint_chain.chain(saved, before) is not None:
@@ -178,7 +180,7 @@ def _write_checkpoint(
         store.fingerprint, SNAPSHOT, key, needs_from, len(tokens), tokens_hash(tokens), layers
     )
     size = store.write(manifest, tensors, {"layout": layout}, rows_from)
-    return Point(key, len(tokens), needs_from, rows_from, size), size
+    return Point(key, len(tokens), needs_from, rows_from), size
 
 
 def _earlier_checkpoints(
@@ -192,7 +194,9 @@ def _earlier_checkpoints(
     kept = []
     for key in previous.checkpoint_keys:
         row = store.index.chunk(key)
-        if row is None or row["token_end"] >= len(tokens) or not store.have(key):
+        if row is None or row["token_end"] >= len(tokens):
+            continue
+        if not store.index.chunk_path(key).is_file():
             continue
         if prefix_keys.get(row["token_end"]) == key:
             kept.append(Point.of(key, row))
@@ -210,7 +214,7 @@ def bytes_to_read(store: KVStore, entry: ConversationCache, usable: int) -> int:
         return 0
     _, _, row, chain = picked
     chunks = store.chunk_bytes(entry, row["token_end"]) if entry.chunk_keys else 0
-    return sum(point.size for point in chain) + chunks
+    return sum(held["bytes"] for held in chain.values()) + chunks
 
 
 def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list, int, int, int]:
@@ -224,8 +228,8 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
     number, key, row, chain = picked
     end = row["token_end"]
     template = make_prompt_cache(store.loaded.model)
-    with ThreadPoolExecutor(_READ_AHEAD) as pool:
-        reader = _CheckpointReader(store, entry, len(template), (pool, chain[1:]))
+    reader = _CheckpointReader(store, entry, len(template), chain)
+    with closing(reader.ahead):
         tensors, layout = window_rows.fill(*reader.read(key, row), reader.ending_at)
     shapes = store.loaded.attention_shapes
     cache, in_chunks = snapshots.restore_checkpoint(template, tensors, layout, shapes)
@@ -240,23 +244,23 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
 class _CheckpointReader:
     """A restore's checkpoint files, each checked against its index row: the one picked
     and those before it that hold its windows' rows (the conversation's own only). Those
-    are read and checked ahead on `pool`'s threads, a few at a time, while the rows of the
-    later ones are taken apart: a chain of short turns is many small files."""
+    of its chain (`pick`) are read and checked ahead on threads, into host memory (mlx's
+    streams are a thread's own), while the rows of the later ones are taken apart: a
+    chain of short turns is many small files."""
 
-    def __init__(self, store: KVStore, entry: ConversationCache, layers: int, ahead: tuple) -> None:
-        self.store, self.entry, self.layers = store, entry, layers
+    def __init__(
+        self, store: KVStore, entry: ConversationCache, layers: int, chain: dict[str, dict]
+    ) -> None:
+        self.store, self.entry, self.layers, self.rows = store, entry, layers, chain
         self.prefix_keys = _PrefixKeys(store.fingerprint, entry.kv_format, entry.tokens)
         self.keys: list[str] = []
         self.bytes = 0
-        pool, chain = ahead
-        self._ahead = {}
-        for point in chain:  # the index is read here: its connection is this thread's
-            row = store.index.chunk(point.key)
-            if row is not None:  # host memory there (mlx's streams are a thread's own)
-                self._ahead[point.key] = pool.submit(read_file, *self._file(point.key, row))
+        earlier = list(chain.items())[1:]
+        self._expected = [key for key, _ in earlier]  # in the order `fill` asks for them
+        self.ahead = read_in_threads(self._read_file, earlier, _READ_AHEAD)
 
-    def _file(self, key: str, row: dict) -> tuple:
-        """(path, what its metadata must say) of a checkpoint's file."""
+    def _read_file(self, key: str, row: dict) -> tuple[dict, dict]:
+        """A checkpoint's file, checked: its metadata must say what its row does."""
         end = row["token_end"]
         manifest = ChunkManifest(
             self.store.fingerprint,
@@ -267,12 +271,15 @@ class _CheckpointReader:
             tokens_hash(self.entry.tokens[:end]),
             self.layers,
         )
-        return path_from_url(row["url"], self.store.index.root), manifest.expected()
+        return read_file(path_from_url(row["url"], self.store.index.root), manifest.expected())
 
     def read(self, key: str, row: dict) -> tuple[dict, str]:
         try:
-            ahead = self._ahead.pop(key, None)
-            tensors, metadata = ahead.result() if ahead else read_file(*self._file(key, row))
+            if self._expected[:1] == [key]:
+                self._expected.pop(0)
+                tensors, metadata = next(self.ahead)
+            else:
+                tensors, metadata = self._read_file(key, row)
         except CacheRejected:
             # gone or damaged: so that the next save holds its windows whole, not
             # leaving the rows it lacks to this one
@@ -285,7 +292,9 @@ class _CheckpointReader:
     def ending_at(self, end: int) -> tuple[dict, str]:
         """The conversation's checkpoint of its first `end` tokens."""
         key = self.prefix_keys.get(end) if 0 < end <= len(self.entry.tokens) else None
-        row = self.store.index.chunk(key) if key in self.entry.checkpoint_keys else None
+        row = None
+        if key in self.entry.checkpoint_keys:
+            row = self.rows.get(key) or self.store.index.chunk(key)
         if row is None or row["token_end"] != end:
             raise CacheRejected("a checkpoint before this one is missing")
         return self.read(key, row)
@@ -310,7 +319,8 @@ def _put_chunked_layers(
 
 
 def pick(store: KVStore, entry: ConversationCache, usable: int) -> tuple | None:
-    """(number from 1, key, row, its chain: `checkpoint_chain.chain`) of the latest saved
+    """(number from 1, key, row, its chain's rows by key, latest first:
+    `checkpoint_chain.chain`) of the latest saved
     checkpoint that ends within the first `usable` tokens, before any evicted chunk,
     whose key is theirs and whose chain is all there; None when there is none,
     `CacheRejected` when the chunks' rows are damaged."""
@@ -330,7 +340,7 @@ def pick(store: KVStore, entry: ConversationCache, usable: int) -> tuple | None:
             continue  # evicted, or past the change
         found = checkpoint_chain.chain(Point.of(key, row), points)
         if found is not None and prefix_keys.get(row["token_end"]) == key:
-            return number, key, row, found
+            return number, key, row, {point.key: rows[point.key] for point in found}
     return None
 
 

@@ -20,9 +20,7 @@ the next files while the last one is copied to the device (`_read_files`).
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -49,7 +47,7 @@ from app.engine.codecs import (
 )
 from app.engine.kvquant import MixedKVCache
 from app.engine.loading import LoadedModel
-from app.engine.stored_arrays import device_apart, to_device
+from app.engine.stored_arrays import device_apart, read_in_threads, to_device
 from sessions.cachefiles import (
     CacheIndex,
     CacheRejected,
@@ -360,29 +358,8 @@ class KVStore:
                 yield read_file(path, wanted)
             return
         calls = list(zip(paths, expected, strict=True))
-        for tensors, metadata in _read_in_threads(read_file, calls, _READ_AHEAD):
+        for tensors, metadata in read_in_threads(read_file, calls, _READ_AHEAD):
             yield to_device(tensors), metadata
-
-
-def _read_in_threads(read: Callable, calls: list[tuple], ahead: int) -> Iterator:
-    """`read(*args)` for each of `calls`, in order, run by `ahead` threads at most that
-    many calls ahead of the one yielded. A failure is raised when its turn comes; the
-    calls not started by then never are (those under way finish first)."""
-    with ThreadPoolExecutor(ahead) as pool:
-        todo = iter(calls)
-        pending = deque(pool.submit(read, *args) for args in _take(todo, ahead))
-        try:
-            while pending:
-                done = pending.popleft()
-                pending.extend(pool.submit(read, *args) for args in _take(todo, 1))
-                yield done.result()
-        finally:
-            for future in pending:
-                future.cancel()
-
-
-def _take(items: Iterator, n: int) -> list:
-    return [item for _, item in zip(range(n), items, strict=False)]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -16,6 +16,9 @@ from __future__ import annotations
 import bisect
 import io
 import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
@@ -96,6 +99,23 @@ def in_mlx(arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:
     if device_apart():
         return to_device(arrays)
     return {name: mx.array(array) for name, array in arrays.items()}
+
+
+def read_in_threads(read: Callable, calls: list[tuple], ahead: int) -> Iterator:
+    """`read(*args)` for each of `calls`, in order, run by `ahead` threads at most that
+    many calls ahead of the one yielded. A failure is raised when its turn comes; the
+    calls not started by then never are (those under way finish first)."""
+    with ThreadPoolExecutor(ahead) as pool:
+        todo = iter(calls)
+        pending = deque(pool.submit(read, *args) for args in itertools.islice(todo, ahead))
+        try:
+            while pending:
+                done = pending.popleft()
+                pending.extend(pool.submit(read, *args) for args in itertools.islice(todo, 1))
+                yield done.result()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def device_apart() -> bool:

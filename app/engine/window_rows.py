@@ -191,7 +191,9 @@ def fill(tensors: dict[str, mx.array], layout_json: str, earlier: Earlier) -> tu
         # (other classes, and a window saved whole, are for `restore_checkpoint`)
         if "rows" in entry and entry.get("class") in _WINDOW_CLASSES:
             window = _window(entry)
-            for group in window.groups if window else (None,):
+            if window is None:
+                raise CacheRejected("a window's rows that no window holds")
+            for group in window.groups:
                 first, start = _own_rows(window, group, entry, tensors)
                 short[i, group.key] = (window, group, first, start)
     if not short:
@@ -203,12 +205,10 @@ def fill(tensors: dict[str, mx.array], layout_json: str, earlier: Earlier) -> tu
     return tensors, json.dumps(layout)
 
 
-def _own_rows(window: _Window | None, group: _Rows | None, entry: dict, tensors: dict) -> tuple:
+def _own_rows(window: _Window, group: _Rows, entry: dict, tensors: dict) -> tuple:
     """(first, needed from) of the rows of `group` a checkpoint's own file holds: as its
     layout says (taken out of it), or all it holds where it says nothing (a quantized
     window's recent rows, saved whole)."""
-    if window is None:
-        raise CacheRejected("a window's rows that no window holds")
     rows = entry.pop(group.key, None)
     if rows is None and group.key == "recent_rows":
         held = tensors[group.names[0]].shape[2] if group.names[0] in tensors else -1

@@ -25,7 +25,7 @@ for name in ("DATA", "CACHE", "CONFIG"):
     os.environ[f"REPRISE_{name}_DIR"] = os.path.join(folder, name.lower())
 
 from app.bench.reopen import ONE_TOKEN, build_history, cache_files, evict, run_turn  # noqa: E402
-from app.engine import kvstore, loading  # noqa: E402  (app.engine first: OpenBLAS)
+from app.engine import kvstore, loading, stored_arrays  # noqa: E402  (app.engine first: OpenBLAS)
 from app.engine.conversation import ConversationEngine  # noqa: E402
 from app.engine.generation import KVSettings  # noqa: E402
 from sessions.cachefiles import read_ahead, read_file  # noqa: E402
@@ -38,7 +38,7 @@ def reader_thread(store, paths, expected):
     """The next file read and checked on a thread while the last is joined."""
     read_ahead(paths)
     calls = list(zip(paths, expected, strict=True))
-    yield from kvstore._read_in_threads(read_file, calls, 1)
+    yield from stored_arrays.read_in_threads(read_file, calls, 1)
 
 
 def main() -> None:

@@ -81,7 +81,7 @@ def variants(store, entry, files) -> dict[str, Callable[[], dict]]:
         return {"first_use_s": time.perf_counter() - started}
 
     def read_ahead() -> dict:
-        for _ in kvstore._read_in_threads(Path.read_bytes, [(f,) for f in files], 4):
+        for _ in stored_arrays.read_in_threads(Path.read_bytes, [(f,) for f in files], 4):
             pass
         return {}
 
