@@ -8,9 +8,11 @@ checkpoint holding its windows whole, as before; then each chat is restored ROUN
 in one process, alternating, medians. Run from the project root (on the GPU machine with
 PYTHONPATH set instead of the venv):
 
-    .venv/bin/python docs/probes/window_chain_probe.py gemma3-1b 4096 MODEL_DIR [TURNS] [ROUNDS]
+    .venv/bin/python docs/probes/window_chain_probe.py gemma3-1b 4096 MODEL_DIR \
+        [TURNS] [ROUNDS] [BITS]
 
-MODEL_DIR: an imported starter model (for its tokenizer).
+MODEL_DIR: an imported starter model (for its tokenizer); BITS: the KV preference, 8 or 4
+(default: 16 bits).
 """
 
 import os
@@ -18,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -25,6 +28,7 @@ def main() -> None:
     shape, tokens, tokenizer_dir = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     turns = int(sys.argv[4]) if len(sys.argv) > 4 else 40
     rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 9
+    bits = int(sys.argv[6]) if len(sys.argv) > 6 else None
     scratch = tempfile.mkdtemp()
     for kind in ("DATA", "CACHE", "CONFIG"):
         os.environ[f"REPRISE_{kind}_DIR"] = f"{scratch}/{kind.lower()}"
@@ -33,10 +37,12 @@ def main() -> None:
     from app.bench.reopen import ONE_TOKEN, build_history, run_turn
     from app.engine import checkpoint_chain, loading
     from app.engine.conversation import ConversationEngine
+    from app.engine.generation import KVSettings
     from sessions.db import open_db
 
     loaded = loading.load(shapes.model_folder(shape, tokenizer_dir, Path(scratch)))
     as_the_app_saves = checkpoint_chain.parent
+    options = replace(ONE_TOKEN, kv=KVSettings(bits, 64))
     chats = {}
     for kind in ("rows since the last", "whole windows"):
         checkpoint_chain.parent = as_the_app_saves if kind[0] == "r" else lambda points: None
@@ -47,14 +53,15 @@ def main() -> None:
         build_history(engine, conversation.id, tokens)
         written = 0
         for n in range(turns):
-            _, saved = run_turn(engine, conversation.id, f"ok {n}", ONE_TOKEN)
+            _, saved = run_turn(engine, conversation.id, f"ok {n}", options)
             written += saved.report.bytes_written
         entry = engine.index.conversation(conversation.id)
         chats[kind] = (engine.kvstore, entry)
         files = len(entry.checkpoint_keys)
+        kept = sum(engine.index.chunk(key)["bytes"] for key in entry.checkpoint_keys)
         print(
             f"{kind}: {len(entry.tokens)} tokens, {turns} turns wrote {written / 1e6:.2f} MB,"
-            f" {files} checkpoints kept",
+            f" {files} checkpoints kept, {kept / 1e6:.2f} MB",
             flush=True,
         )
     checkpoint_chain.parent = as_the_app_saves
