@@ -165,6 +165,9 @@ CHUNK_DAMAGE = {
     "bytes wrong": ("bytes = bytes + 1",),
     "token_start NULL": ("token_start = NULL",),
     "token_end before start": ("token_end = -1",),
+    "rows_from text": ("rows_from = 'soon'",),
+    "rows_from before its start": ("rows_from = token_start - 1",),
+    "rows_from past its end": ("rows_from = token_end + 1",),
 }
 
 
