@@ -281,14 +281,20 @@ class CacheIndex:
         return summary
 
     def evict_to_budget(self, budget_bytes: int, keep: set[str] = frozenset()) -> int:
-        """Delete least-recently-used chunks until the cache fits; return bytes freed."""
+        """Delete least-recently-used chunks until the cache fits; return bytes freed.
+
+        Files used together (a restore's, a save's) share one stamp; of those the ones
+        that end later go first. A conversation's chunks and checkpoints need the ones
+        before them, never the ones after: taken from the end, what stays still
+        restores the conversation's start, where one taken from the middle would
+        leave every file after it unusable."""
         _, used = self.usage()
         freed = 0
         if used <= budget_bytes:
             return 0
         rows = sorted(
             (row for _, row in self.chunk_rows() if row),
-            key=lambda row: (row["last_used"], row["key"]),
+            key=lambda row: (row["last_used"], -(row["token_end"] or 0), row["key"]),
         )
         for row in rows:
             if used - freed <= budget_bytes:

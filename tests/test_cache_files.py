@@ -437,3 +437,22 @@ def test_float16_rows_rewritten_as_bfloat16_still_get_a_reply(tiny_model, saved_
         rewrite_chunk(index, key, as_bfloat16)
     finished, _ = turn(new_engine(tiny_model), saved_conversation, "one more question")
     assert finished.restore.source == "disk" and finished.stats.generated_tokens > 0
+
+
+def test_eviction_takes_a_conversations_chunks_from_its_end(tiny_model, saved_conversation):
+    """Chunks a restore used together share one stamp; eviction then takes the later
+    ones first, so what stays is the start of the conversation and still restores
+    (a chunk taken from the middle would leave every one after it unusable)."""
+    index = CacheIndex(open_db())
+    rows = chunk_rows(saved_conversation)
+    assert len(rows) >= 5
+    index.touch([row["key"] for row in rows])  # as a restore leaves them
+    kept = len(rows) // 2
+    index.evict_to_budget(sum(row["bytes"] for row in rows[:kept]))
+
+    assert [index.chunk(row["key"]) is not None for row in rows] == (
+        [True] * kept + [False] * (len(rows) - kept)
+    )
+    finished, _ = turn(new_engine(tiny_model), saved_conversation, "and after that?")
+    assert finished.restore.source == "disk"
+    assert finished.stats.reused_tokens == rows[kept - 1]["token_end"]

@@ -336,3 +336,23 @@ def test_rows_that_do_not_add_up_are_refused():
     other = json.loads(first[1])
     other[0]["rows"] = [5, 10, 10]
     refused(layout, earlier=lambda end: (saved[10][0], json.dumps(other)))  # 10 rows, not 5
+
+
+def test_eviction_takes_a_chains_checkpoints_from_its_end(wide_model):
+    """A save stamps a conversation's chunks and checkpoints together; eviction takes
+    the last turns' first, so the chat reopens from the checkpoint before them (one
+    taken from the middle of a chain would leave the later ones unusable)."""
+    engine, conversation_id, _ = chat(wide_model, 8)
+    index = engine.index
+    entry = index.conversation(conversation_id)
+    rows = {key: index.chunk(key) for key in entry.all_keys}
+    last_two = [index.chunk(key)["token_end"] for key in entry.checkpoint_keys[-2:]]
+    over = sum(row["bytes"] for row in rows.values() if row["token_end"] in last_two)
+    index.evict_to_budget(sum(row["bytes"] for row in rows.values()) - over)
+
+    left = {key for key in rows if index.chunk(key) is not None}
+    assert {rows[key]["token_end"] for key in rows.keys() - left} == set(last_two)
+    finished, _ = turn(ConversationEngine(open_db(), wide_model), conversation_id, "so")
+    assert (finished.restore.source, finished.restore.rejected) == ("disk", None)
+    assert finished.restore.checkpoint == len(entry.checkpoint_keys) - 2
+    assert finished.stats.reused_tokens == rows[entry.checkpoint_keys[-3]]["token_end"]

@@ -146,7 +146,9 @@ def save(
         else:
             reused += 1
     kept = [point.key for point in checkpoint_chain.kept([*earlier, *new])]
-    store.index.touch(kept)  # used together: evicted, any one would cost the later ones
+    # One stamp for the chat's chunks and checkpoints: eviction takes files used together
+    # from their end (`CacheIndex.evict_to_budget`), chunks and checkpoints alike.
+    store.index.touch([*keys, *kept])
     store.point_conversation(conversation_id, fmt, tokens, keys, kept)
     return written, reused, size
 
@@ -237,7 +239,7 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
     if in_chunks:
         size += _put_chunked_layers(store, entry, end, cache, in_chunks)
     mx.eval([layer.state for layer in cache])
-    store.index.touch(reader.keys)
+    store.index.touch([*entry.chunk_keys, *reader.keys])  # one stamp, as a save's
     return cache, end, size, number
 
 
