@@ -332,8 +332,8 @@ def pick(store: KVStore, entry: ConversationCache, usable: int) -> tuple | None:
         if not chunks:
             raise CacheRejected("cache files were evicted")
         limit = min(limit, chunks[-1][2])
-    rows = {key: row for key in entry.checkpoint_keys if (row := store.index.chunk(key))}
-    points = [Point.of(key, row) for key, row in rows.items()]  # each read checks its key
+    rows = store.index.chunks(entry.checkpoint_keys)
+    points = [Point.of(key, rows[key]) for key in entry.checkpoint_keys if key in rows]
     prefix_keys = _PrefixKeys(store.fingerprint, entry.kv_format, entry.tokens)
     for number in range(len(entry.checkpoint_keys), 0, -1):
         key = entry.checkpoint_keys[number - 1]

@@ -219,8 +219,9 @@ class KVStore:
         """`saved_chunks`, each with its index row (read once: a restore needs the rows'
         paths and sizes too)."""
         rows: list[dict] = []
+        found = self.index.chunks(entry.chunk_keys)
         for key in entry.chunk_keys:
-            row = self.index.chunk(key)
+            row = found.get(key)
             if row is None:
                 break
             start, end = row["token_start"], row["token_end"]

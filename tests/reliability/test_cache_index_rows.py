@@ -180,6 +180,7 @@ def test_a_damaged_chunk_row_is_a_rejection_and_is_dropped(index, damage):
         sql(index, f"update cache_chunks set {assignment} where key = ?", *args, KEYS[0])
     row = index.chunk(KEYS[0])
     assert row is None or isinstance(row["bytes"], int)
+    assert index.chunks(KEYS) == {k: r for k in KEYS if (r := index.chunk(k))}  # a restore's
     with pytest.raises(CacheRejected) as rejected:
         index.read_chunk(KEYS[0], {**EXPECT, "key": KEYS[0]})
     assert rejected.value.reason
@@ -234,3 +235,16 @@ def test_summary_counts_only_what_is_readable(index):
     sql(index, "update cache_chunks set bytes = 'x' where key = ?", KEYS[1])
     [summary] = index.conversations_summary()
     assert summary["chunks_on_disk"] == 1
+
+
+def test_a_long_chats_rows_are_read_together_as_one_by_one(index):
+    """A restore reads its rows in one query (in parts, under SQLite's limit on a
+    statement's variables): the same rows `chunk` gives, none for a missing key."""
+    keys = [f"{n:040x}" for n in range(1, 1201)]
+    path = index.chunk_path(KEYS[0])
+    for n, key in enumerate(keys):
+        index.add_chunk(key, path, 10, "fp", "float16", n, n + 1)
+    wanted = [*keys, "ef" * 20, KEYS[1]]
+    found = index.chunks(wanted)
+    assert set(found) == {*keys, KEYS[1]}
+    assert all(found[key] == index.chunk(key) for key in (keys[0], keys[777], KEYS[1]))
