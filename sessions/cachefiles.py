@@ -266,6 +266,19 @@ class CacheIndex:
             caches.append((frozenset(map(str, keys)) if readable else None, length))
         return caches
 
+    def _checkpoint_keys(self) -> set[str]:
+        """The keys conversations list as checkpoints (only that column is read; a list
+        that cannot be read adds none)."""
+        keys: set[str] = set()
+        for (listed,) in self.db.execute("select checkpoint_keys from conversation_caches"):
+            try:
+                found = json.loads(listed) if isinstance(listed, str) else None
+            except (ValueError, RecursionError):  # nested past the parser's depth
+                found = None
+            if isinstance(found, list):
+                keys.update(key for key in found if isinstance(key, str))
+        return keys
+
     def referenced_keys(self) -> set[str]:
         keys: set[str] = set()
         for entry in self._conversation_entries():
@@ -314,9 +327,19 @@ class CacheIndex:
         freed = 0
         if used <= budget_bytes:
             return 0
+        checkpoints = self._checkpoint_keys()
+
+        def needed_after(row: dict) -> tuple[int, int]:
+            """Where the files after it begin to need it: a chunk, its first token (a
+            checkpoint ending later needs it); a checkpoint, its end. At one position the
+            chunk goes first: the checkpoint there needs only the chunks before."""
+            if row["key"] in checkpoints:
+                return row["token_end"], 0
+            return row["token_start"], 1
+
         rows = sorted(
             (row for _, row in self.chunk_rows() if row),
-            key=lambda row: (row["last_used"], -(row["token_end"] or 0), row["key"]),
+            key=lambda row: (row["last_used"], *(-n for n in needed_after(row)), row["key"]),
         )
         for row in rows:
             if used - freed <= budget_bytes:

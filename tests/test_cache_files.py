@@ -356,10 +356,12 @@ def test_eviction_keeps_the_budget_and_only_costs_speed(tiny_model):
     turn(engine, recent.id, "a recent conversation with different words in it")
     assert CacheIndex(open_db()).usage()[1] <= budget
 
+    saved = CacheIndex(open_db()).conversation(old.id).tokens
     reopened = new_engine(tiny_model)
     finished, _ = turn(reopened, old.id, "hello again")
-    assert finished.restore.source == "recompute"
-    assert "evicted" in finished.restore.rejected
+    # What the eviction left of the old chat is its start: restored, and the rest recomputed.
+    assert finished.restore.source == "disk"
+    assert 0 < finished.stats.reused_tokens < len(saved)
     assert [m.role for m in reopened.store.get(old.id).messages] == ["user", "assistant"] * 2
 
 
@@ -456,3 +458,25 @@ def test_eviction_takes_a_conversations_chunks_from_its_end(tiny_model, saved_co
     finished, _ = turn(new_engine(tiny_model), saved_conversation, "and after that?")
     assert finished.restore.source == "disk"
     assert finished.stats.reused_tokens == rows[kept - 1]["token_end"]
+
+
+def test_another_chats_save_evicts_a_chats_last_turn_from_its_end(tiny_model):
+    """A save stamps a chat's chunks together, the ones it just wrote too: when another
+    chat's save needs one chunk's room, the chat loses its last chunk, not the first
+    chunk its last turn wrote and, with it, every chunk after."""
+    engine = new_engine(tiny_model)
+    chat = engine.store.create(tiny_model.name).id
+    turn(engine, chat, "hello there")
+    turn(engine, chat, "tell me a much longer story about many many things please now")
+    rows = chunk_rows(chat)
+    assert len(rows) >= 6
+    _, used = CacheIndex(open_db()).usage()
+    other = new_engine(tiny_model, budget_bytes=used)  # room for all but the newest files
+    turn(other, other.store.create(tiny_model.name).id, "hi")
+
+    index = CacheIndex(open_db())
+    left = [index.chunk(row["key"]) is not None for row in rows]
+    assert left[0] and not left[-1] and left == sorted(left, reverse=True)  # a prefix
+    finished, _ = turn(new_engine(tiny_model), chat, "and then?")
+    assert finished.restore.source == "disk"
+    assert finished.stats.reused_tokens == rows[left.count(True) - 1]["token_end"]

@@ -356,3 +356,20 @@ def test_eviction_takes_a_chains_checkpoints_from_its_end(wide_model):
     assert (finished.restore.source, finished.restore.rejected) == ("disk", None)
     assert finished.restore.checkpoint == len(entry.checkpoint_keys) - 2
     assert finished.stats.reused_tokens == rows[entry.checkpoint_keys[-3]]["token_end"]
+
+
+def test_eviction_takes_a_checkpoint_before_the_chunks_it_needs(wide_model):
+    """A chunk and a checkpoint that end together: the checkpoint goes first (without the
+    chunk it could not be used, and would stay on disk for nothing); the chunk is
+    then needed by no checkpoint left, and goes next."""
+    engine, conversation_id, _ = chat(wide_model, 3)
+    index = engine.index
+    entry = index.conversation(conversation_id)
+    last_chunk, last_checkpoint = entry.chunk_keys[-1], entry.checkpoint_keys[-1]
+    assert index.chunk(last_chunk)["token_end"] == index.chunk(last_checkpoint)["token_end"]
+
+    index.evict_to_budget(index.usage()[1] - 1)
+    assert [key for key in entry.all_keys if index.chunk(key) is None] == [last_checkpoint]
+    index.evict_to_budget(index.usage()[1] - 1)
+    gone = [key for key in entry.all_keys if index.chunk(key) is None]
+    assert sorted(gone) == sorted([last_chunk, last_checkpoint])

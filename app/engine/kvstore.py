@@ -170,8 +170,11 @@ class KVStore:
             if tensors is not None:
                 size += self._write_anew(manifest(*chunk), tensors)
                 rewritten += 1
-        self.index.touch(list(kept))
-        return [k for k, _, _ in chunks], written + rewritten, len(kept) - rewritten, size
+        keys = [k for k, _, _ in chunks]
+        # One stamp for every chunk of the chat, written now or before: eviction takes
+        # files used together from their end (`CacheIndex.evict_to_budget`).
+        self.index.touch(keys)
+        return keys, written + rewritten, len(kept) - rewritten, size
 
     def _write_anew(self, manifest: ChunkManifest, tensors: dict) -> int:
         """`write`, where a chunk under the key is dropped first (written again: with the

@@ -87,6 +87,7 @@ CONVERSATION_DAMAGE = {
     "checkpoint_keys numbers": ("checkpoint_keys = '[1]'",),
     "checkpoint_keys a path": ("checkpoint_keys = '[\"../../etc/passwd\"]'",),
     "checkpoint_keys a blob": ("checkpoint_keys = x'00ff'",),
+    "checkpoint_keys nested deep": ("checkpoint_keys = ?", DEEP),
     "checkpoints with no chunk length": (f"chunk_tokens = 0, checkpoint_keys = '[\"{KEYS[0]}\"]'",),
     "chunk_tokens NULL": ("chunk_tokens = NULL",),
     "chunk_tokens text": ("chunk_tokens = 'sixteen'",),
@@ -114,6 +115,9 @@ def test_a_damaged_conversation_row_is_a_rejection(index, damage):
     # A save of another chat asks who else may hold its chunks: a damaged row may hold any.
     [(keys, _)] = index.other_caches(8)
     assert keys is None or all(isinstance(key, str) for key in keys)
+    # Eviction asks which keys are checkpoints, to take a chat's files from its end.
+    index.evict_to_budget(index.usage()[1] - 1)
+    assert index.usage()[0] == 1
     assert index.collect_garbage(orphan_age=0)["damaged_entries"] == 1
     assert index.conversation(7) is None and index.usage() == (0, 0)
 
