@@ -13,8 +13,9 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
-from families import FAMILIES, build
+from families import FAMILIES, Family, build
 from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
+from tampering import rewrite_layout
 from test_checkpoint_chunks import FILE_OVERHEAD, OPTIONS, asked_then, turn
 from test_families import assert_identical, fresh_reply
 
@@ -373,3 +374,88 @@ def test_eviction_takes_a_checkpoint_before_the_chunks_it_needs(wide_model):
     index.evict_to_budget(index.usage()[1] - 1)
     gone = [key for key in entry.all_keys if index.chunk(key) is None]
     assert sorted(gone) == sorted([last_chunk, last_checkpoint])
+
+
+def test_checkpoints_whose_rows_do_not_fit_are_dropped_and_the_ones_before_serve(wide_model):
+    """Files that each pass their checks but do not fit together (here an earlier
+    checkpoint's layout, signed again, says other rows): the restore is refused and
+    drops the files it read, so nothing is built on them; the checkpoint before them
+    serves the next restore."""
+    engine, conversation_id, _ = chat(wide_model, 6)
+    index = engine.index
+    entry = index.conversation(conversation_id)
+
+    def other_rows(layout: list) -> None:
+        window = next(layer for layer in layout if "rows" in layer)
+        window["rows"][0] += 1
+
+    rewrite_layout(index, entry.checkpoint_keys[-2], other_rows)
+    refused = engine.kvstore.restore(entry, len(entry.tokens))
+    assert refused.cache is None and "rows" in refused.rejected
+    assert [index.chunk(key) is None for key in entry.checkpoint_keys[-3:]] == [False, True, True]
+    restored = engine.kvstore.restore(entry, len(entry.tokens))
+    assert restored.rejected is None
+    assert (restored.checkpoint, len(restored.tokens)) == (
+        len(entry.checkpoint_keys) - 2,
+        index.chunk(entry.checkpoint_keys[-3])["token_end"],
+    )
+
+
+# RecurrentGemma's layout: a recurrent layer and local windows, no global attention, so
+# no layer is chunked and each checkpoint holds every window (whole, or rows since).
+WINDOWS_ONLY = Family(
+    "recurrent-gemma",
+    "recurrent_gemma",
+    {
+        "attention_bias": False,
+        "conv1d_width": 4,
+        "intermediate_size": 128,
+        "logits_soft_cap": 30.0,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 1,
+        "rms_norm_eps": 1e-6,
+        "attention_window_size": WINDOW,
+        "block_types": ["recurrent", "attention", "attention"],
+    },
+    ("ArraysCache", "RotatingKVCache", "RotatingKVCache"),
+    False,
+)
+
+
+@pytest.fixture(scope="module")
+def windows_only_model(starter_model_dir, tmp_path_factory):
+    from app.engine.loading import load
+
+    return load(build(WINDOWS_ONLY, starter_model_dir, tmp_path_factory.mktemp("windows")))
+
+
+@pytest.mark.parametrize("before,after", [(16, 8), (8, 16), (8, 4)])
+def test_a_changed_kv_preference_starts_a_windows_only_chats_checkpoints_afresh(
+    windows_only_model, before, after
+):
+    """With no chunked layer, a checkpoint's key and its chat's entry name its windows'
+    format: after the KV preference changes, a save builds on no checkpoint of the
+    other format, and the chat reopens from its own files (it used to take rows from
+    checkpoints of the other format, and refuse every restore until the window had
+    moved past them)."""
+
+    def options(bits: int) -> TurnOptions:
+        kv = KVSettings() if bits == 16 else KVSettings(bits=bits, group_size=32)
+        return replace(OPTIONS, kv=kv)
+
+    engine = ConversationEngine(open_db(), windows_only_model)
+    conversation_id = engine.store.create(windows_only_model.name).id
+    for text in MESSAGES[:3]:
+        list(engine.send(conversation_id, text, options(before)))
+    formats = {engine.index.conversation(conversation_id).kv_format}
+    for text in MESSAGES[3:5]:
+        list(engine.send(conversation_id, text, options(after)))
+    formats.add(engine.index.conversation(conversation_id).kv_format)
+    assert len(formats) == 2 and all(f.startswith("k") or "float" in f for f in formats)
+
+    for text in MESSAGES[5:7]:
+        reopened = ConversationEngine(open_db(), windows_only_model)
+        events = list(reopened.send(conversation_id, text, options(after)))
+        finished = next(e for e in events if isinstance(e, ReplyFinished))
+        assert (finished.restore.source, finished.restore.rejected) == ("disk", None)

@@ -12,8 +12,9 @@ cache with such layers is saved in two parts:
   size follows the windows and states, not the history.
 
 The conversation's entry lists both (`chunk_keys`, `checkpoint_keys`); its
-`kv_format` is the chunks' (SNAPSHOT when there are none: a model of sliding
-windows alone, or a whole snapshot saved before chunks). A turn restores the
+`kv_format` is the chunks' (where there are none, the windows': a model of sliding
+windows and recurrent layers; SNAPSHOT for states alone, or a whole snapshot saved
+before chunks). A turn restores the
 latest checkpoint whose tokens begin its prompt (an earlier one after an edit
 or a regenerate) with the chunks of the tokens before it, trimmed to them.
 """
@@ -26,12 +27,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache, make_prompt_cache
 
 from app.engine import checkpoint_chain, snapshots, window_rows
 from app.engine.cache_keys import SNAPSHOT, cache_parts, checkpoint_key, kv_format, tokens_hash
 from app.engine.checkpoint_chain import Point
 from app.engine.codecs import ChunkManifest, chunk_classes, stored_dtype, stored_format
+from app.engine.kvquant import MixedKVCache
 from app.engine.stored_arrays import in_mlx, read_in_threads
 from sessions.cachefiles import CacheRejected, ConversationCache, path_from_url, read_file
 
@@ -51,6 +53,27 @@ def chunk_format(cache: list, sixteen_bit: str | None) -> str | None:
     return stored_format(live, sixteen_bit) if live else None
 
 
+def windows_format(cache: list, sixteen_bit: str | None) -> str | None:
+    """The format every window of a cache holds its rows in: the app's scheme's (8 or 4
+    bits, or the CPU path's 16), or the type mlx-lm's windows are saved in; None where
+    the cache has no window or its windows differ."""
+    formats = set()
+    for part in cache_parts(cache):
+        if isinstance(part, MixedKVCache) and part.max_size is not None:
+            formats.add(part.scheme.format)
+        elif isinstance(part, RotatingKVCache | ChunkedKVCache) and part.keys is not None:
+            formats.add(stored_format(str(part.keys.dtype).split(".")[-1], sixteen_bit))
+    return formats.pop() if len(formats) == 1 else None
+
+
+def _checkpoint_format(store: KVStore, cache: list, chunks: str | None) -> str:
+    """The format a checkpoint's key and its chat's entry name: the chunks' (`chunks`);
+    where no layer is chunked, the windows' (so that a changed KV preference leaves the
+    checkpoints of the other one unused, as it leaves chunks); SNAPSHOT where neither
+    says (recurrent states alone)."""
+    return chunks or windows_format(cache, store.sixteen_bit) or SNAPSHOT
+
+
 def _window_type(sixteen_bit: str | None) -> mx.Dtype | None:
     """The 16-bit type a float32 window is saved in: the model's own, as its chunks are
     (`stored_format`); None for a model of float32 weights."""
@@ -66,7 +89,7 @@ class Taken:
     tokens: int
     tensors: dict
     layout: str
-    fmt: str | None  # the chunks' format then: the layers it leaves to them
+    fmt: str  # its format then (`_checkpoint_format`): the layers it leaves to chunks
 
 
 def take(store: KVStore, cache: list, tokens: int) -> Taken:
@@ -74,7 +97,7 @@ def take(store: KVStore, cache: list, tokens: int) -> Taken:
     states copied to host memory (the reply's tokens go on to change them)."""
     fmt, slots = _chunked_slots(store, cache)
     tensors, layout = snapshots.snapshot(cache, slots, _window_type(store.sixteen_bit))
-    return Taken(tokens, tensors, layout, fmt)
+    return Taken(tokens, tensors, layout, _checkpoint_format(store, cache, fmt))
 
 
 def resume(store: KVStore, cache: list, taken: Taken) -> list:
@@ -125,11 +148,11 @@ def save(
         keys, written, reused, size = store.write_chunks(
             conversation_id, previous, fmt, tokens, cache
         )
+    fmt = _checkpoint_format(store, cache, fmt)
     # A layer quantized during the reply ("full precision until N") is no longer what
-    # the taken checkpoint left to chunks: that one would be refused, so it is not kept.
+    # the taken checkpoint held: that one would be refused, so it is not kept.
     if taken and not (0 < taken.tokens < len(tokens) and taken.fmt == fmt):
         taken = None
-    fmt = fmt or SNAPSHOT
     # In token order: `pick` takes the last that fits.
     points = [(taken.tokens, lambda: (taken.tensors, taken.layout))] if taken else []
     window_type = _window_type(store.sixteen_bit)
@@ -232,7 +255,13 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
     template = make_prompt_cache(store.loaded.model)
     reader = _CheckpointReader(store, entry, len(template), chain)
     with closing(reader.ahead):
-        tensors, layout = window_rows.fill(*reader.read(key, row), reader.ending_at)
+        try:
+            tensors, layout = window_rows.fill(*reader.read(key, row), reader.ending_at)
+        except CacheRejected:
+            # Files that do not fit together: the next save must not build on them.
+            for held in {key, *reader.keys}:
+                store.index.delete_chunk(held)
+            raise
     shapes = store.loaded.attention_shapes
     cache, in_chunks = snapshots.restore_checkpoint(template, tensors, layout, shapes)
     size = reader.bytes
