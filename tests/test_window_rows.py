@@ -337,6 +337,10 @@ def test_rows_that_do_not_add_up_are_refused():
     other = json.loads(first[1])
     other[0]["rows"] = [5, 10, 10]
     refused(layout, earlier=lambda end: (saved[10][0], json.dumps(other)))  # 10 rows, not 5
+    longer = RotatingKVCache(max_size=12)  # a window of 11 positions where 10 were asked for
+    _feed(longer, [11], seed=0)
+    tensors_11, layout_11, _ = window_rows.cut(*snapshots.snapshot([longer]), 0)
+    refused(layout, earlier=lambda end: (_as_read(tensors_11), layout_11))
 
 
 def test_eviction_takes_a_chains_checkpoints_from_its_end(wide_model):

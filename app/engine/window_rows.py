@@ -259,19 +259,23 @@ def _take_earlier(short: dict, tensors: dict, earlier: Earlier, count: int) -> N
             raise CacheRejected("the checkpoint before holds other layers")
         for (i, key), (window, group, first, start) in needing.items():
             if first == at:
-                older = _older_rows(window, group, before[i], before_tensors)
+                older = _older_rows(window, group, before[i], before_tensors, at)
                 taken_from = _prepend(group, older, tensors, (start, at), pieces)
                 short[i, key] = (window, group, taken_from, start)
     raise CacheRejected("a window's rows go back too far")
 
 
-def _older_rows(window: _Window, group: _Rows, entry: dict, tensors: dict) -> tuple[int, dict]:
-    """(first position, tensors) of the rows of `group` that the checkpoint before holds
-    in `entry`: as its layout says, or, in one saved whole before checkpoints shared
-    their rows, all it holds (a ring's taken out of its slots)."""
+def _older_rows(
+    window: _Window, group: _Rows, entry: dict, tensors: dict, at: int
+) -> tuple[int, dict]:
+    """(first position, tensors) of the rows of `group` that the checkpoint before, the
+    one ending `at`, holds in `entry`: as its layout says, or, in one saved whole before
+    checkpoints shared their rows, all it holds (a ring's taken out of its slots)."""
     older = _window(entry)
     if older is None or older.ring != window.ring or older.groups != window.groups:
         raise CacheRejected("the checkpoint before holds other windows")
+    if older.offset != at:  # its file says another end than its key and index row do
+        raise CacheRejected("the checkpoint before holds a window that ends elsewhere")
     if "rows" not in entry:
         held = _in_positions(older, tensors)
         if held is None or held.keys() != {g.key for g in older.groups}:
