@@ -256,14 +256,14 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
     reader = _CheckpointReader(store, entry, len(template), chain)
     with closing(reader.ahead):
         try:
-            tensors, layout = window_rows.fill(*reader.read(key, row), reader.ending_at)
+            host, layout = window_rows.fill(*reader.read(key, row), reader.ending_at)
         except CacheRejected:
             # Files that do not fit together: the next save must not build on them.
             for held in {key, *reader.keys}:
                 store.index.delete_chunk(held)
             raise
     shapes = store.loaded.attention_shapes
-    cache, in_chunks = snapshots.restore_checkpoint(template, tensors, layout, shapes)
+    cache, in_chunks = snapshots.restore_checkpoint(template, in_mlx(host), layout, shapes)
     size = reader.bytes
     if in_chunks:
         size += _put_chunked_layers(store, entry, end, cache, in_chunks)
@@ -318,7 +318,7 @@ class _CheckpointReader:
             raise
         self.keys.append(key)
         self.bytes += row["bytes"]
-        return in_mlx(tensors), metadata.get("layout", "")
+        return tensors, metadata.get("layout", "")  # in host memory: `fill` joins them there
 
     def ending_at(self, end: int) -> tuple[dict, str]:
         """The conversation's checkpoint of its first `end` tokens."""

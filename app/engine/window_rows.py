@@ -126,17 +126,22 @@ def _window(entry: dict) -> _Window | None:
 
 
 def _join(pieces: list) -> object:
-    """Arrays joined along the tokens: numpy's for a save, mlx's for a restore."""
+    """Arrays joined along the tokens: numpy's where all are (a save, and a restore's
+    files in host memory), mlx's otherwise."""
     if any(isinstance(piece, mx.array) for piece in pieces):
         return mx.concatenate([mx.array(p) if isinstance(p, np.ndarray) else p for p in pieces], 2)
     return np.concatenate(pieces, 2)
+
+
+def _is_array(value: object) -> bool:
+    return isinstance(value, mx.array | np.ndarray)
 
 
 def _in_positions(window: _Window, tensors: dict) -> dict[str, int] | None:
     """A window's rows put in position order in `tensors` (a ring's taken out of its
     slots); how many each group holds, or None when its counts do not fit its rows."""
     arrays = [tensors.get(name) for group in window.groups for name in group.names]
-    if not all(isinstance(a, mx.array | np.ndarray) and a.ndim == 4 for a in arrays):
+    if not all(_is_array(a) and a.ndim == 4 for a in arrays):
         return None
     held = {group.key: tensors[group.names[0]].shape[2] for group in window.groups}
     if not window.ring:
@@ -176,11 +181,13 @@ def cut(
     return tensors, json.dumps(layout), needs_from
 
 
-def fill(tensors: dict[str, mx.array], layout_json: str, earlier: Earlier) -> tuple[dict, str]:
+def fill(tensors: dict, layout_json: str, earlier: Earlier) -> tuple[dict, str]:
     """A checkpoint read from its file, its windows' rows completed from the checkpoints
     before it (`earlier(end)`: the one ending at `end`) and a ring's put back in its
-    slots: the snapshot `snapshots.restore_checkpoint` takes. `CacheRejected` when the
-    rows do not add up."""
+    slots: the snapshot `snapshots.restore_checkpoint` takes, once in mlx. Arrays in
+    host memory (numpy) or mlx's, all of one kind: a restore joins a chain's rows in
+    host memory and hands mlx the result once. `CacheRejected` when the rows do not
+    add up."""
     try:
         layout = json.loads(layout_json)
         parts = list(_parts(layout)) if isinstance(layout, list) else []
@@ -231,7 +238,7 @@ def _checked_rows(window: _Window | None, group: _Rows, rows: object, tensors: d
         raise CacheRejected("a window's ring position outside its rows")
     for name in group.names:
         array = tensors.get(name)
-        if not isinstance(array, mx.array) or array.ndim != 4 or array.shape[2] != end - first:
+        if not _is_array(array) or array.ndim != 4 or array.shape[2] != end - first:
             raise CacheRejected(f"a window's rows of the wrong length in {name}")
     return first
 
@@ -247,7 +254,7 @@ def _take_earlier(short: dict, tensors: dict, earlier: Earlier, count: int) -> N
         needing = {at: item for at, item in short.items() if item[2] > item[3]}
         if not needing:
             for name, earlier_rows in pieces.items():
-                tensors[name] = mx.concatenate([*earlier_rows[::-1], tensors[name]], axis=2)
+                tensors[name] = _join([*earlier_rows[::-1], tensors[name]])
             return
         at = max(first for _, _, first, _ in needing.values())
         before_tensors, before_json = earlier(at)
@@ -298,7 +305,7 @@ def _prepend(
     taken_from = max(first, start)
     for name in group.names:
         piece, own = before[name][:, :, taken_from - first :], tensors[name]
-        if not isinstance(piece, mx.array) or piece.dtype != own.dtype:
+        if not _is_array(piece) or type(piece) is not type(own) or piece.dtype != own.dtype:
             raise CacheRejected("the checkpoint before holds rows of another kind")
         if piece.shape[:2] + piece.shape[3:] != own.shape[:2] + own.shape[3:]:
             raise CacheRejected("the checkpoint before holds rows of another shape")
@@ -312,4 +319,4 @@ def _into_slots(window: _Window, tensors: dict) -> None:
     for name in window.groups[0].names:
         rows = tensors[name]
         turn = rows.shape[2] - window.idx
-        tensors[name] = mx.concatenate([rows[:, :, turn:], rows[:, :, :turn]], axis=2)
+        tensors[name] = _join([rows[:, :, turn:], rows[:, :, :turn]])
