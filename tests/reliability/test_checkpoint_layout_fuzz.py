@@ -90,6 +90,20 @@ def chained_checkpoint(wide_model):  # noqa: F811
     return last_checkpoint(conversation_id)
 
 
+def _files_and_rows(index: CacheIndex, keys: list[str]) -> dict[str, tuple[dict, bytes]]:
+    return {key: (index.chunk(key), index.chunk_path(key).read_bytes()) for key in keys}
+
+
+def _put_back(index: CacheIndex, kept: dict[str, tuple[dict, bytes]]) -> None:
+    """The checkpoints' files and index rows as they were, where a restore dropped them
+    (`checkpoints.restore` drops files that do not fit together), so that every trial
+    restores the mutated checkpoint, not the one before it."""
+    for key, (row, data) in kept.items():
+        if index.chunk(key) is None:
+            index.chunk_path(key).write_bytes(data)
+            index.db["cache_chunks"].upsert(row, pk="key")
+
+
 def fuzz(model, checkpoint: tuple) -> collections.Counter:
     """TRIALS mutations of the checkpoint's layout, each restored; their outcomes."""
     conversation_id, path, original, layout = checkpoint
@@ -97,10 +111,12 @@ def fuzz(model, checkpoint: tuple) -> collections.Counter:
     metadata = {k: v for k, v in metadata.items() if k != "checksum"}
     engine = ConversationEngine(open_db(), model)
     entry = engine.index.conversation(conversation_id)
+    kept = _files_and_rows(engine.index, entry.checkpoint_keys)
     rng = random.Random(SEED)
     outcomes: collections.Counter = collections.Counter()
     try:
         for _ in range(TRIALS):
+            _put_back(engine.index, kept)  # a refusal drops the files it read
             mutated = copy.deepcopy(layout)
             kind = mutate(mutated, rng)
             write_file(path, tensors, {**metadata, "layout": json.dumps(mutated)})
