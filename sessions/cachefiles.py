@@ -44,12 +44,13 @@ from sessions.chunkio import (
     write_file,
 )
 from sessions.db import is_row_id
-from sessions.errors import CacheRejected, DiskFull
+from sessions.errors import CacheRejected, CacheUnreadable, DiskFull
 
 __all__ = [
     "FORMAT_VERSION",
     "CacheIndex",
     "CacheRejected",
+    "CacheUnreadable",
     "ConversationCache",
     "DiskFull",
     "kv_root",
@@ -278,6 +279,23 @@ class CacheIndex:
             if isinstance(found, list):
                 keys.update(key for key in found if isinstance(key, str))
         return keys
+
+    def drop_unshared(self, conversation_id: int, keys: set[str]) -> None:
+        """Delete those of `keys` (files a restore of the conversation found unusable)
+        that no other conversation lists: what one chat cannot use may serve another
+        (files are shared by prefix). Best effort: a database that cannot be written
+        now (locked, read-only) leaves them, and the restore is refused all the same."""
+        try:
+            others = {
+                key
+                for entry in self._conversation_entries()
+                if entry.conversation_id != conversation_id
+                for key in entry.all_keys
+            }
+            for key in keys - others:
+                self.delete_chunk(key)
+        except (sqlite3.Error, OSError):
+            pass
 
     def referenced_keys(self) -> set[str]:
         keys: set[str] = set()

@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 
 from sessions import paths
-from sessions.errors import CacheRejected, DiskFull, storage_errors
+from sessions.errors import CacheRejected, CacheUnreadable, DiskFull, storage_errors
 from sessions.safetensors_header import (
     CHECKSUM_KEY,
     DTYPES,
@@ -260,7 +260,9 @@ def _open_regular(path: Path) -> Iterator[BinaryIO]:
             errno.ELOOP: "a symlink where the file should be",
             errno.ENAMETOOLONG: "name too long",
         }
-        raise CacheRejected(reasons.get(exc.errno, f"unreadable file ({exc.strerror})")) from None
+        if exc.errno in reasons:
+            raise CacheRejected(reasons[exc.errno]) from None
+        raise CacheUnreadable(f"unreadable file ({exc.strerror})") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -270,7 +272,7 @@ def _open_regular(path: Path) -> Iterator[BinaryIO]:
         try:
             yield f
         except OSError as exc:
-            raise CacheRejected(f"unreadable file ({exc.strerror or exc})") from None
+            raise CacheUnreadable(f"unreadable file ({exc.strerror or exc})") from None
 
 
 def _check_metadata(metadata: Mapping[str, str], expect: Mapping[str, str]) -> None:

@@ -169,3 +169,9 @@ class CacheRejected(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class CacheUnreadable(CacheRejected):
+    """A cache file the system could not read just now (an I/O error, too many open
+    files, no permission): refused for this turn, but nothing says the file is damaged,
+    so it is kept."""

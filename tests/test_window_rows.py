@@ -8,6 +8,8 @@ checkpoints back to where it starts, slot for slot as the live layer held it.
 from __future__ import annotations
 
 import json
+import os
+import resource
 from dataclasses import replace
 
 import mlx.core as mx
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 from families import FAMILIES, Family, build
 from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
-from tampering import rewrite_layout
+from tampering import rewrite_chunk, rewrite_layout
 from test_checkpoint_chunks import FILE_OVERHEAD, OPTIONS, asked_then, turn
 from test_families import assert_identical, fresh_reply
 
@@ -463,3 +465,52 @@ def test_a_changed_kv_preference_starts_a_windows_only_chats_checkpoints_afresh(
         events = list(reopened.send(conversation_id, text, options(after)))
         finished = next(e for e in events if isinstance(e, ReplyFinished))
         assert (finished.restore.source, finished.restore.rejected) == ("disk", None)
+
+
+def test_a_refused_chain_keeps_the_checkpoints_another_chat_lists(wide_model):
+    """Two chats that begin alike share their first checkpoint. When one chat's chain is
+    refused (its own last file, signed again, holds its rows as another type), it drops
+    its own files, not the shared one: the other chat restores as before."""
+    engine = ConversationEngine(open_db(), wide_model)
+    kept, refused = (engine.store.create(wide_model.name).id for _ in range(2))
+    for text in MESSAGES[:3]:
+        turn(engine, kept, text)
+    for text in (MESSAGES[0], "something else entirely"):
+        turn(engine, refused, text)
+    index = engine.index
+    ours, theirs = index.conversation(kept), index.conversation(refused)
+    shared = set(ours.checkpoint_keys) & set(theirs.checkpoint_keys)
+    assert shared
+    before = engine.kvstore.restore(ours, len(ours.tokens))
+
+    def rows_as_another_type(tensors: dict, _metadata: dict) -> None:
+        for name, array in list(tensors.items()):
+            if array.dtype == np.float16:
+                tensors[name] = array.view(np.uint16)
+
+    rewrite_chunk(index, theirs.checkpoint_keys[-1], rows_as_another_type)
+    assert engine.kvstore.restore(theirs, len(theirs.tokens)).rejected
+    assert index.chunk(theirs.checkpoint_keys[-1]) is None  # its own: dropped
+    assert all(index.chunk(key) for key in shared)
+    after = engine.kvstore.restore(ours, len(ours.tokens))
+    assert (after.rejected, after.checkpoint) == (None, before.checkpoint)
+
+
+def test_files_the_system_cannot_open_just_now_are_kept(wide_model):
+    """Out of file descriptors (EMFILE) mid-restore: the restore is refused, and the
+    checkpoints it could not open are kept, not taken for damaged; with descriptors to
+    spare again the chat restores from them."""
+    engine, conversation_id, _ = chat(wide_model, 6)
+    entry = engine.index.conversation(conversation_id)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)  # a new descriptor takes the lowest free number
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # none to spare
+    try:
+        refused = engine.kvstore.restore(entry, len(entry.tokens))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert refused.cache is None and "unreadable file" in refused.rejected
+    assert all(engine.index.chunk(key) for key in entry.all_keys)
+    restored = engine.kvstore.restore(entry, len(entry.tokens))
+    assert (restored.rejected, restored.checkpoint) == (None, len(entry.checkpoint_keys))

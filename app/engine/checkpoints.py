@@ -35,7 +35,13 @@ from app.engine.checkpoint_chain import Point
 from app.engine.codecs import ChunkManifest, chunk_classes, stored_dtype, stored_format
 from app.engine.kvquant import MixedKVCache
 from app.engine.stored_arrays import in_mlx, read_in_threads
-from sessions.cachefiles import CacheRejected, ConversationCache, path_from_url, read_file
+from sessions.cachefiles import (
+    CacheRejected,
+    CacheUnreadable,
+    ConversationCache,
+    path_from_url,
+    read_file,
+)
 
 # Checkpoint files read ahead of the one whose rows are being taken apart.
 _READ_AHEAD = 4
@@ -257,10 +263,11 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
     with closing(reader.ahead):
         try:
             host, layout = window_rows.fill(*reader.read(key, row), reader.ending_at)
+        except CacheUnreadable:
+            raise  # the system's error, not the files': kept for the next restore
         except CacheRejected:
             # Files that do not fit together: the next save must not build on them.
-            for held in {key, *reader.keys}:
-                store.index.delete_chunk(held)
+            store.index.drop_unshared(entry.conversation_id, {key, *reader.keys})
             raise
     shapes = store.loaded.attention_shapes
     cache, in_chunks = snapshots.restore_checkpoint(template, in_mlx(host), layout, shapes)
@@ -311,9 +318,11 @@ class _CheckpointReader:
                 tensors, metadata = next(self.ahead)
             else:
                 tensors, metadata = self._read_file(key, row)
+        except CacheUnreadable:
+            raise  # the system's error, not the file's: kept for the next restore
         except CacheRejected:
-            # gone or damaged: so that the next save holds its windows whole, not
-            # leaving the rows it lacks to this one
+            # gone or damaged (for every chat that lists it): so that the next save
+            # holds its windows whole, not leaving the rows it lacks to this one
             self.store.index.delete_chunk(key)
             raise
         self.keys.append(key)
