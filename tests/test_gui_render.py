@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 from PySide6.QtWidgets import QTextEdit
 
 from app.bench.ui import stream_row
@@ -110,3 +111,37 @@ def test_think_tags_the_user_typed_are_shown_as_typed(qtbot):
     text = view.toPlainText()
     assert typed in text
     assert text.count("Reasoning") == 1 and "mine" not in text  # the reply's stays folded
+
+
+def test_a_reply_that_failed_says_so(qtbot):
+    """Found on a new-user walk: a turn refused before its first token (a KV group size
+    the model's heads cannot take) left an empty "Assistant" with nothing to say why."""
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.show_messages(
+        [
+            RenderedMessage(1, "user", "go on"),
+            RenderedMessage(2, "assistant", "", "failed", is_last=True),
+        ]
+    )
+    assert "No reply: this turn failed" in view.toPlainText()
+
+
+def test_the_status_bar_names_the_bits_of_a_mixed_cache():
+    """Found on a new-user walk: a chat of windows and recurrent states at 8 bits was
+    reported "Off (full precision)" (the description's first part is the state's)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    from app.engine.cache_keys import describe_cache
+    from app.engine.kvquant import MixedKVCache
+    from app.engine.kvscheme import scheme_for
+    from app.ui.preferences import kv_label_of
+
+    window = MixedKVCache(scheme_for(8, 32), max_size=64)
+    window.update_and_fetch(*(mx.zeros((1, 1, 3, 32)) for _ in range(2)))
+    state = ArraysCache(1)
+    state[0] = mx.zeros((1, 4))
+    described = describe_cache([state, window])
+    assert described.startswith("float32 state") and "8-bit" in described
+    assert kv_label_of(described) == "8-bit"
+    assert kv_label_of(describe_cache([state])) == "Off (full precision)"

@@ -62,9 +62,13 @@ def kv_label(bits: int | None) -> str:
 
 
 def kv_label_of(kv_format: str) -> str:
-    """A finished turn's cache format ("4-bit (group 64, ...)", "float32") in those words."""
-    kind = kv_format.split(" (")[0]
-    return kind if kind in ("8-bit", "4-bit") else kv_label(None)
+    """A finished turn's cache format ("4-bit (group 64, ...)", "float32", or per kind of
+    layer: "float32 state x1 (1.0 kB) + 8-bit (...) sliding window 64 x2 (69.6 kB)") in
+    those words: the bits its attention layers are held in, where any are quantized."""
+    for bits in ("8-bit", "4-bit"):
+        if any(part.startswith(bits) for part in kv_format.split(" + ")):
+            return bits
+    return kv_label(None)
 
 
 # The perplexity `bench kv` measures moves by about this much between runs that differ

@@ -350,6 +350,8 @@ def message_html(
         parts.append(
             f'<p style="color:{colours.warning}"><i>Interrupted (the app was closed)</i></p>'
         )
+    elif message.state == "failed":  # why was said when it failed (status bar, dialog)
+        parts.append(f'<p style="color:{colours.warning}"><i>No reply: this turn failed</i></p>')
     elif message.cut:
         parts.append(f'<p style="color:{colours.warning}"><i>Cut at the length limit</i></p>')
 
