@@ -229,6 +229,9 @@ def test_bench_reopen_measures_the_kv_preference_it_is_given(tiny_model_dir):
     assert row["kv_format"] == "k4v4g32s4h"
     assert row["restore_bytes"] == row["cache_bytes"] > 0
     assert row["restore_mb_s"] > 0 and row["raw_read_mb_s"] > 0
+    # and the same over five restores of it, each beside a plain read: their medians
+    assert row["restore_median_s"] > 0 and row["raw_read_median_s"] > 0
+    assert row["restore_vs_raw_read_median"] > 0
     # and what a chat that goes on writes per token (tests/test_cache_window.py has what
     # each turn writes; here a chunk file's header outweighs a tiny model's tokens)
     assert row["follow_ups"] == 8 and row["follow_ups_bytes_written"] > 0
