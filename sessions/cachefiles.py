@@ -27,7 +27,13 @@ from pathlib import Path
 import numpy as np
 import sqlite_utils
 
-from sessions.cacherows import ConversationCache, chunk_entry, conversation_entry, is_key
+from sessions.cacherows import (
+    ConversationCache,
+    chunk_entry,
+    conversation_entry,
+    is_key,
+    listed_keys,
+)
 from sessions.chunkio import (
     FORMAT_VERSION,
     STALE_TEMP_SECONDS,
@@ -267,18 +273,16 @@ class CacheIndex:
             caches.append((frozenset(map(str, keys)) if readable else None, length))
         return caches
 
-    def _checkpoint_keys(self) -> set[str]:
-        """The keys conversations list as checkpoints (only that column is read; a list
-        that cannot be read adds none)."""
-        keys: set[str] = set()
-        for (listed,) in self.db.execute("select checkpoint_keys from conversation_caches"):
-            try:
-                found = json.loads(listed) if isinstance(listed, str) else None
-            except (ValueError, RecursionError):  # nested past the parser's depth
-                found = None
-            if isinstance(found, list):
-                keys.update(key for key in found if isinstance(key, str))
-        return keys
+    def _listed(self, column: str, other_than: int | None = None) -> set[str]:
+        """The keys conversations list in `column` ("chunk_keys" or "checkpoint_keys"),
+        but `other_than`'s: only that column is read, and a list that cannot be read
+        adds none."""
+        assert column in ("chunk_keys", "checkpoint_keys")
+        rows = self.db.execute(
+            f"select {column} from conversation_caches where conversation_id is not ?",
+            [other_than],
+        )
+        return {key for (raw,) in rows for key in listed_keys(raw) or ()}
 
     def drop_unshared(self, conversation_id: int, keys: set[str]) -> None:
         """Delete those of `keys` (files a restore of the conversation found unusable)
@@ -286,13 +290,8 @@ class CacheIndex:
         (files are shared by prefix). Best effort: a database that cannot be written
         now (locked, read-only) leaves them, and the restore is refused all the same."""
         try:
-            others = {
-                key
-                for entry in self._conversation_entries()
-                if entry.conversation_id != conversation_id
-                for key in entry.all_keys
-            }
-            for key in keys - others:
+            others = self._listed("chunk_keys", conversation_id)
+            for key in keys - others - self._listed("checkpoint_keys", conversation_id):
                 self.delete_chunk(key)
         except (sqlite3.Error, OSError):
             pass
@@ -345,7 +344,7 @@ class CacheIndex:
         freed = 0
         if used <= budget_bytes:
             return 0
-        checkpoints = self._checkpoint_keys()
+        checkpoints = self._listed("checkpoint_keys")
 
         def needed_after(row: dict) -> tuple[int, int]:
             """Where the files after it begin to need it: a chunk, its first token (a

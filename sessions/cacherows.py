@@ -77,8 +77,8 @@ def conversation_entry(row: dict) -> ConversationCache:
     if int(tokens.min()) < 0:
         raise CacheRejected("damaged index row (a negative token id)")
     chunk_tokens = _int(row, "chunk_tokens")
-    keys = _keys(row.get("chunk_keys"))
-    checkpoints = [] if row.get("checkpoint_keys") is None else _keys(row["checkpoint_keys"])
+    keys = listed_keys(row.get("chunk_keys"))
+    checkpoints = [] if row.get("checkpoint_keys") is None else listed_keys(row["checkpoint_keys"])
     if checkpoints is None:
         raise CacheRejected("damaged index row (checkpoint_keys is not a list of keys)")
     if keys is None or not (keys or checkpoints):
@@ -101,8 +101,9 @@ def conversation_entry(row: dict) -> ConversationCache:
     )
 
 
-def _keys(raw: object) -> list[str] | None:
-    """A JSON list of chunk keys (maybe empty); None when it is anything else."""
+def listed_keys(raw: object) -> list[str] | None:
+    """A JSON list of chunk keys (maybe empty), as an index row stores one; None when it
+    is anything else."""
     try:
         keys = json.loads(raw) if isinstance(raw, str | bytes) else None
     except (ValueError, RecursionError):

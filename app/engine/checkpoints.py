@@ -222,9 +222,10 @@ def _earlier_checkpoints(
     if previous is None:
         return []
     prefix_keys = _PrefixKeys(store.fingerprint, fmt, tokens)
+    rows = store.index.chunks(previous.checkpoint_keys)
     kept = []
     for key in previous.checkpoint_keys:
-        row = store.index.chunk(key)
+        row = rows.get(key)
         if row is None or row["token_end"] >= len(tokens):
             continue
         if not store.index.chunk_path(key).is_file():
