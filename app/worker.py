@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +34,15 @@ NO_MODELS = (
     "There is no model yet. Add one with File → Models… (Ctrl+Shift+M): "
     "Import GGUF… for a .gguf file, or Download from Hugging Face…"
 )
+
+
+def in_the_windows_words(error: UserError) -> str:
+    """What the window says of a user error: the engine's own words, but for an empty
+    library, where they name terminal commands."""
+    models = sys.modules.get("app.engine.models")  # not imported yet: not what raised it
+    if models is not None and isinstance(error, models.NoModels):
+        return NO_MODELS
+    return str(error)
 
 
 class EngineWorker(QObject):
@@ -60,6 +70,7 @@ class EngineWorker(QObject):
         self._stop = threading.Event()
         self._service: ChatService | None = None
         self._selected = NEW_CONVERSATION  # the conversation on screen (set from the GUI)
+        self._announced: object = None  # the engine `model_loaded` last named
 
     def service(self) -> ChatService:
         """Made on first use, so its connection belongs to this thread. The engine (mlx,
@@ -87,7 +98,7 @@ class EngineWorker(QObject):
             task()
             return True
         except UserError as exc:
-            self.failed.emit(str(exc))
+            self.failed.emit(in_the_windows_words(exc))
         except Exception:
             log.exception("%s failed", what)
             self.failed.emit(
@@ -102,15 +113,19 @@ class EngineWorker(QObject):
         """Not "busy": a message sent meanwhile is queued and answered once loaded."""
 
         def load() -> None:
-            from app.engine.models import NoModels
-
-            try:
-                engine = self.service().load_model(name or None)
-            except NoModels:
-                raise UserError(NO_MODELS) from None
-            self.model_loaded.emit(engine.loaded.name, engine.loaded.compute.describe())
+            self.service().load_model(name or None)
+            self._announce_model()
 
         self._attempt("Loading the model", load)
+
+    def _announce_model(self) -> None:
+        """`model_loaded` for the engine now in use, once: a turn loads its chat's model
+        itself when none is (after an import from the Models dialog, or a chat of
+        another model), and the window hears of it as of any load."""
+        engine = self._service.engine if self._service is not None else None
+        if engine is not None and engine is not self._announced:
+            self._announced = engine
+            self.model_loaded.emit(engine.loaded.name, engine.loaded.compute.describe())
 
     @Slot(str, str)
     def import_gguf(self, path: str, name: str) -> None:
@@ -250,6 +265,7 @@ class EngineWorker(QObject):
         from app.engine.turns import CacheSaved, ReplyFinished, RestoreInfo
 
         for event in events:
+            self._announce_model()  # the turn may have loaded it
             if isinstance(event, TextDelta):
                 self.text_delta.emit(event.text)
             elif isinstance(event, PromptProgress):

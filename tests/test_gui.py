@@ -14,6 +14,7 @@ from gui_window import (
     send,
     start_long_reply,
     wait_reply,
+    wait_streaming,
     when_a_box_opens,
 )
 from PySide6.QtCore import QByteArray, QMimeData, Qt, QTimer
@@ -68,6 +69,47 @@ def test_stop_ends_the_reply_early(qtbot, open_window):
     assert window.composer.button.text() == "Send"
 
 
+def test_a_click_on_another_chat_while_replying_is_explained_until_the_reply_ends(
+    qtbot, open_window
+):
+    """Found on a new-user walk: "A reply is being written here: stop it (Esc) to switch
+    chats" stayed in the status bar after the reply had ended."""
+    window = open_window()
+    send(qtbot, window, "Name a colour.", greedy_tokens=4)
+    first = window.conversation_id
+    window.new_chat()
+    prefer(window, temperature=0.0, max_tokens=48)
+    window.composer.edit.setPlainText("Write a story about a lighthouse keeper.")
+    window.composer.edit.submitted.emit()
+    wait_streaming(qtbot, window, chars=5)
+    window.sidebar.conversation_selected.emit(first)
+    assert window.status.message.text().startswith("A reply is being written here")
+    assert window.conversation_id != first  # the reply's chat stays on screen
+    wait_reply(qtbot, window)  # it ends by itself
+    assert not window.status.message.text().startswith("A reply is being written here")
+
+
+def test_a_message_the_worker_refuses_goes_back_into_the_message_box(
+    qtbot, open_window, monkeypatch
+):
+    """Sent before the meter had counted it, a message too long for the context is
+    refused by the worker, unsaved: it is not lost, it waits in the box again."""
+    from PySide6.QtWidgets import QMessageBox
+
+    warned = []
+    monkeypatch.setattr(QMessageBox, "warning", lambda parent, title, text: warned.append(text))
+    window = open_window()
+    send(qtbot, window, "Name a colour.", greedy_tokens=4)
+    prefer(window, max_context=64)
+    long = "Tell me everything about every colour you know. " * 20
+    window.composer.edit.setPlainText(long)
+    window.composer.edit.submitted.emit()  # at once: the meter has not counted it
+    qtbot.waitUntil(lambda: bool(warned) and not window.generating, timeout=READY_MS)
+    assert "does not fit" in warned[0]
+    assert window.composer.edit.toPlainText() == long.strip()
+    assert [m.content for m in window.chat.messages if m.role == "user"] == ["Name a colour."]
+
+
 def test_after_a_click_on_stop_the_message_box_has_the_keyboard(qtbot, open_window):
     window = open_window()
     window.activateWindow()
@@ -115,6 +157,8 @@ def test_esc_leaves_an_edit_and_gives_the_draft_back(qtbot, open_window):
     window.turns.on_chat_action("edit", window.chat.messages[0].id)
     qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
     assert window.composer.edit.toPlainText() == "half a thought"
+    qtbot.keyClicks(window.composer.edit, ", finished")  # the cursor waits at its end
+    assert window.composer.edit.toPlainText() == "half a thought, finished"
     assert window.composer.editing is None and window.composer.button.text() == "Send"
     assert len(window.store.get(window.conversation_id).messages) == 2  # nothing was sent
 
@@ -152,6 +196,9 @@ def test_a_turn_that_reads_most_of_the_chat_again_does_not_say_continuing(qtbot,
     assert text.startswith("Reading the conversation again: "), text
     reused, _, total = text.split(": ")[1].split(" tokens")[0].partition(" of ")
     assert int(reused.replace(",", "")) * 2 < int(total.replace(",", ""))
+    # A long new message reads more than the chat held, but the chat is not read again.
+    send(qtbot, window, "Here is a long note to think about. " * 60, greedy_tokens=4)
+    assert window.status.message.text().startswith("Continuing: "), window.status.message.text()
 
 
 def test_a_newer_selection_skips_the_restore_of_the_one_before(qtbot, open_window):
@@ -221,6 +268,34 @@ def test_clearing_caches_shows_the_space_it_freed(qtbot, open_window):
     qtbot.waitUntil(lambda: dialog.usage_label.text().startswith("0.0 MB"), timeout=10_000)
     window.refresh_sidebar()
     assert "no cache saved" in window.sidebar.list.item(0).text()
+
+
+def test_open_cache_folder_opens_the_folder_in_use_or_says_where_it_is(
+    qtbot, app_dirs, monkeypatch
+):
+    """Found on a new-user walk: on a desktop without a file launcher the button did
+    nothing and said nothing (and it opened the folder above the one "In use" names).
+    The launcher is the desktop's: faked here, answering as it would."""
+    from PySide6.QtGui import QDesktopServices
+
+    from sessions import paths
+
+    (paths.cache_dir() / "kv").mkdir(parents=True)
+    asked, answer = [], [True]
+    monkeypatch.setattr(
+        QDesktopServices, "openUrl", lambda url: asked.append(url.toLocalFile()) or answer[0]
+    )
+    dialog = PreferencesDialog(Preferences(), 0)
+    qtbot.addWidget(dialog)
+    button = next(b for b in dialog.findChildren(QPushButton) if b.text() == "Open cache folder")
+    qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
+    assert asked == [str(paths.cache_dir() / "kv")]
+    assert "No file manager" not in dialog.usage_label.text()
+    answer[0] = False  # no launcher on this desktop
+    for _ in range(2):
+        qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
+    said = dialog.usage_label.text()
+    assert said.count(f"the folder is {paths.cache_dir() / 'kv'}") == 1, said
 
 
 def test_the_window_cannot_write_the_database(qtbot, open_window):
@@ -454,6 +529,21 @@ def test_a_chat_gets_its_own_system_prompt_from_the_header(qtbot, open_window):
     assert window.store.get(window.conversation_id).system_prompt == "Answer in French."
     window.new_chat()
     assert "(default): “You are helpful.”" in window.header.label.text()
+
+
+def test_a_reply_stopped_before_its_first_token_gives_no_speed():
+    """Found on a new-user walk: "first token 0 ms · 0.0 tok/s" for a reply stopped
+    before it began."""
+    from app.engine.generation import TurnStats
+    from app.engine.turns import ReplyFinished, RestoreInfo
+    from app.ui.turn_status import stats_text
+
+    def reply(generated: int) -> ReplyFinished:
+        stats = TurnStats(prompt_tokens=40, ttft_s=0.05, generated_tokens=generated, decode_s=0.5)
+        return ReplyFinished("", stats, RestoreInfo(), 1, 2)
+
+    assert stats_text(reply(0)).startswith("no reply yet · in memory 40 tokens")
+    assert stats_text(reply(10)).startswith("first token 50 ms · 20.0 tok/s · in memory 50")
 
 
 def test_the_live_count_says_one_token_not_one_tokens():

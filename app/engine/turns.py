@@ -35,6 +35,7 @@ class RestoreInfo:
     rejected: str | None = None
     checkpoint: int | None = None  # the snapshot restored, counting from 1 (snapshots only)
     prompt_tokens: int = 0  # the turn's whole prompt, of which `tokens` were ready
+    held_tokens: int = 0  # what memory held before the turn, of which it kept `tokens`
 
     def to_stats(self) -> dict:
         return {

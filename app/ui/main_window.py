@@ -33,7 +33,7 @@ from app.ui.reading import rendered_messages, sidebar_entries
 from app.ui.sidebar import Sidebar
 from app.ui.turn_flow import TurnFlow
 from app.ui.turn_status import TurnStatus
-from app.worker import NEW_CONVERSATION, WorkerThread
+from app.worker import NEW_CONVERSATION, NO_MODELS, WorkerThread
 from sessions import paths
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
@@ -103,7 +103,7 @@ class MainWindow(QMainWindow):
         self.drafts.prune({chat.id for chat in chats})
         self.show_conversation(chats[0].id if chats else None)
         self.composer.edit.setFocus()  # open ready to type
-        self.load_model_requested.emit(self.models.current())
+        self.load_chosen_model()
 
     def preferences(self) -> Preferences:
         """The preferences as the user last set them: the ones asked for and not yet
@@ -205,22 +205,34 @@ class MainWindow(QMainWindow):
 
     # -- models ----------------------------------------------------------------
 
-    def refresh_models(self) -> None:
-        names = [m.name for m in list_models(paths.models_dir())]
-        self.models.show_models(names, self.preferences().model, STARTER_MODEL)
-
     @Slot(str)
     def on_model_picked(self, name: str) -> None:
         self.ask_to_save(replace(self.preferences(), model=name))
         self.models.show_loading()
         self.load_model_requested.emit(name)
 
+    def refresh_models(self) -> None:
+        names = [m.name for m in list_models(paths.models_dir())]
+        self.models.show_models(names, self.preferences().model, STARTER_MODEL)
+
+    def load_chosen_model(self) -> None:
+        """Load the model the toolbar shows (at start, or once the Models dialog added a
+        first one); with none in the library, say how to add one: no load to fail, and
+        no box to dismiss."""
+        if not self.models.names():
+            self.models.show_failed()
+            self.status.say(NO_MODELS)
+            return
+        self.models.show_loading()
+        self.load_model_requested.emit(self.models.current())
+
     @Slot(str, str)
     def on_model_loaded(self, name: str, compute: str) -> None:
         self.models.show_loaded(name, compute)
         self._show_header()
         self.ask_context()
-        self._prefetch(self.conversation_id)
+        if not self.generating:  # a turn that loaded the model has its cache
+            self._prefetch(self.conversation_id)
 
     # -- conversations -----------------------------------------------------------
 
@@ -266,7 +278,7 @@ class MainWindow(QMainWindow):
         """A reply streams into the chat on screen: it stays there, and the user is
         told how to go elsewhere (the sidebar's highlight goes back to it)."""
         self.sidebar.select(self.conversation_id)
-        self.status.say("A reply is being written here: stop it (Esc) to switch chats")
+        self.status.say_while_busy("A reply is being written here: stop it (Esc) to switch chats")
 
     def _show_header(self) -> None:
         chat = self.store.get(self.conversation_id) if self.conversation_id else None
@@ -386,8 +398,10 @@ class MainWindow(QMainWindow):
     def on_failed(self, message: str) -> None:
         self.status.on_failed(message)
         self.models.show_failed()
-        if self.conversation_id is not None and self._exists(self.conversation_id):
+        if self.conversation_id is None or self._exists(self.conversation_id):
+            # What was saved: no reply bubble waiting for a reply that is not coming.
             self.chat.show_messages(rendered_messages(self.store, self.conversation_id))
+        self.turns.failed()
         QMessageBox.warning(self, "Reprise", message)
 
     # -- sidebar actions ---------------------------------------------------------------

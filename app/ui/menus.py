@@ -99,6 +99,8 @@ def open_models(window: MainWindow) -> None:
     in_use = window.models.current() if window.models.ready else ""
     ModelsDialog(window.engine.worker, window, in_use).exec()
     window.refresh_models()
+    if not window.models.ready:  # the library's first model, say: load it
+        window.load_chosen_model()
 
 
 def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable[[], None]]]]:

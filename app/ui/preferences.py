@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from importlib.resources.abc import Traversable
 
-from PySide6.QtCore import QUrl, Signal, SignalInstance, Slot
+from PySide6.QtCore import Qt, QUrl, Signal, SignalInstance, Slot
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (
     QComboBox,
@@ -205,6 +205,19 @@ class PreferencesDialog(QDialog):
         self._explain_kv()
         return page
 
+    @Slot()
+    def open_cache_folder(self) -> None:
+        """The folder "In use" names, in the file manager; where none can be opened (no
+        desktop launcher), the folder's path, to copy."""
+        folder = paths.cache_dir() / "kv"
+        if not folder.is_dir():
+            folder = paths.cache_dir()
+        if not QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder))):
+            in_use = self.usage_label.text().split("\n")[0]
+            said = f"No file manager could open it: the folder is {folder}"
+            self.usage_label.setText(f"{in_use}\n{said}")
+            self.usage_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
     def _storage_tab(self, values: dict, usage: int) -> QWidget:
         page = QWidget()
         form = QFormLayout(page)
@@ -214,9 +227,7 @@ class PreferencesDialog(QDialog):
         clear = QPushButton("Clear caches")
         clear.clicked.connect(self.clear_caches_requested)
         open_folder = QPushButton("Open cache folder")
-        open_folder.clicked.connect(
-            lambda: QDesktopServices.openUrl(QUrl.fromLocalFile(str(paths.cache_dir())))
-        )
+        open_folder.clicked.connect(self.open_cache_folder)
         row = QHBoxLayout()
         row.addWidget(clear)
         row.addWidget(open_folder)

@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, Slot
+from PySide6.QtGui import QTextCursor
 
 from app.ui.render import RenderedMessage
-from app.worker import NEW_CONVERSATION
+from app.worker import NEW_CONVERSATION, NO_MODELS
 
 if TYPE_CHECKING:
     from app.ui.main_window import MainWindow
@@ -20,13 +21,20 @@ class TurnFlow(QObject):
     def __init__(self, window: MainWindow) -> None:
         super().__init__(window)
         self.window = window
+        self.sent = ""  # the text of the turn asked for last, until it is answered
 
     @Slot(str)
     def send(self, text: str) -> None:
         w = self.window
+        if not w.models.names():  # an empty library: nothing could answer
+            w.composer.edit.setPlainText(text)
+            w.composer.edit.moveCursor(QTextCursor.MoveOperation.End)
+            w.status.say(NO_MODELS)
+            return
         if w.meter.known_not_to_fit(w.conversation_id, text):
             w.composer.edit.setPlainText(text)  # kept: the meter says why and what to do
             return
+        self.sent = text
         w.chat.append_streaming(RenderedMessage(-1, "user", text))
         self.start(text)
         w.send_requested.emit(w.conversation_id or NEW_CONVERSATION, text)
@@ -79,6 +87,7 @@ class TurnFlow(QObject):
             return
         ids = [m.id for m in w.chat.messages]
         w.chat.show_messages(w.chat.messages[: ids.index(message_id)])
+        self.sent = text
         w.chat.append_streaming(RenderedMessage(-1, "user", text))
         self.start(text, message_id)
         w.edit_requested.emit(message_id, text)
@@ -93,6 +102,16 @@ class TurnFlow(QObject):
         if not w.models.ready:
             # The worker answers once the model it is loading is in (requests are queued).
             w.status.say("Waiting for the model to load…")
+
+    def failed(self) -> None:
+        """The turn failed (the chat on screen is drawn again from what was saved): a
+        message that was never saved goes back into an empty message box."""
+        w, text = self.window, self.sent
+        self.sent = ""
+        saved = [m.content for m in w.chat.messages if m.role == "user"]
+        if text and text not in saved[-1:] and not w.composer.edit.toPlainText():
+            w.composer.edit.setPlainText(text)
+            w.composer.edit.moveCursor(QTextCursor.MoveOperation.End)
 
     def _count(self, text: str, before: int | None = None) -> None:
         """Count what the turn sends, before it is sent (the worker answers in order):

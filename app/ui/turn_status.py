@@ -35,12 +35,15 @@ def progress_text(done: int, total: int) -> str:
     return f"Reading {done:,}/{total:,} tokens"
 
 
-def restore_text(source: str, tokens: int, seconds: float, prompt_tokens: int = 0) -> str:
-    """Where the turn's cache came from. Most of the prompt read again (a changed system
-    prompt, an edit near the start) is not "continuing", whatever was in memory."""
+def restore_text(
+    source: str, tokens: int, seconds: float, prompt_tokens: int = 0, held_tokens: int = 0
+) -> str:
+    """Where the turn's cache came from. Most of the prompt read again because the chat
+    changed (a changed system prompt, an edit near the start: memory kept less than it
+    held) is not "continuing", whatever was in memory; a long new message is."""
     if source == "disk":
         return f"Resumed from saved cache: {tokens:,} tokens in {took(seconds)}"
-    if source == "memory" and prompt_tokens > 2 * tokens:
+    if source == "memory" and prompt_tokens > 2 * tokens and tokens < held_tokens:
         return f"Reading the conversation again: {tokens:,} of {prompt_tokens:,} tokens in memory"
     if source == "memory":
         return f"Continuing: {tokens:,} tokens already in memory"
@@ -56,10 +59,13 @@ def stats_text(reply: ReplyFinished) -> str:
     stats = reply.stats
     cached = stats.prompt_tokens + stats.generated_tokens
     kind = kv_label_of(stats.kv_format)  # the Preferences' words; the details in a tooltip
-    return (
+    # Stopped before its first token: no speed to give (it read "first token 0 ms").
+    speed = (
         f"first token {took(stats.ttft_s)} · {stats.decode_tps:.1f} tok/s"
-        f" · in memory {cached:,} tokens, {stats.kv_bytes / 1e6:.1f} MB · {kind}"
+        if stats.generated_tokens
+        else "no reply yet"
     )
+    return f"{speed} · in memory {cached:,} tokens, {stats.kv_bytes / 1e6:.1f} MB · {kind}"
 
 
 class TurnStatus(QObject):
@@ -77,6 +83,7 @@ class TurnStatus(QObject):
         status_bar.addPermanentWidget(self.progress)
         status_bar.addPermanentWidget(self.stats)
         self.busy = False
+        self._until_done = ""  # a message about the turn under way (`say_while_busy`)
         self._clock = QElapsedTimer()
         self._decode_clock = QElapsedTimer()  # from the first streamed text
         self._pieces = 0
@@ -93,6 +100,11 @@ class TurnStatus(QObject):
 
     def say(self, text: str) -> None:
         self.message.setText(text)
+
+    def say_while_busy(self, text: str) -> None:
+        """`text` until the turn under way ends (it speaks of that turn)."""
+        self.message.setText(text)
+        self._until_done = text
 
     def clear_figures(self) -> None:
         """No figures from another turn or another chat stay on screen."""
@@ -119,6 +131,9 @@ class TurnStatus(QObject):
         if not busy:
             self._slow_start.stop()
             self.progress.hide()
+            if self._until_done and self.message.text() == self._until_done:
+                self.message.setText("")
+            self._until_done = ""
 
     @Slot()
     def on_slow_start(self) -> None:
@@ -145,7 +160,9 @@ class TurnStatus(QObject):
             self.progress.show()
 
     def on_restored(self, info: RestoreInfo, first_turn: bool) -> None:
-        text = restore_text(info.source, info.tokens, info.seconds, info.prompt_tokens)
+        text = restore_text(
+            info.source, info.tokens, info.seconds, info.prompt_tokens, info.held_tokens
+        )
         self.message.setText("" if first_turn else text)
 
     def on_prefetched(self, info: RestoreInfo) -> None:
