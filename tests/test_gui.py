@@ -258,6 +258,9 @@ def test_clearing_caches_shows_the_space_it_freed(qtbot, open_window):
     from app.ui.menus import preferences_dialog
 
     window = open_window()
+    send(qtbot, window, "Tell me about owls.", greedy_tokens=4)
+    other = window.conversation_id
+    window.new_chat()
     send(qtbot, window, "Tell me about penguins.", greedy_tokens=4)
     qtbot.waitUntil(lambda: window.index.usage()[1] > 0, timeout=10_000)
     dialog = preferences_dialog(window)
@@ -268,6 +271,10 @@ def test_clearing_caches_shows_the_space_it_freed(qtbot, open_window):
     qtbot.waitUntil(lambda: dialog.usage_label.text().startswith("0.0 MB"), timeout=10_000)
     window.refresh_sidebar()
     assert "no cache saved" in window.sidebar.list.item(0).text()
+    # A chat opened now has nothing to restore: it says so before Send, not after a wait.
+    window.sidebar.conversation_selected.emit(other)
+    qtbot.waitUntil(lambda: window.status.message.text().startswith("Not restored"), timeout=10_000)
+    assert "no saved cache" in window.status.message.text()
 
 
 def test_open_cache_folder_opens_the_folder_in_use_or_says_where_it_is(
