@@ -127,8 +127,8 @@ def test_a_folder_that_is_no_model_is_refused_clearly(tmp_path, places):
     models.link_folder(hub.path, tmp_path / "library", "tiny")
     with pytest.raises(models.UserError, match="already exists"):
         models.link_folder(hub.path, tmp_path / "library", "tiny")
-    with pytest.raises(models.UserError, match="not a usable model name"):
-        models.link_folder(hub.path, tmp_path / "library", "../tiny")
+    with pytest.raises(models.UserError, match="not a usable model name: a model's name is"):
+        models.link_folder(hub.path, tmp_path / "library", "../tiny")  # and it says what is
 
 
 def test_a_cache_folder_removed_later_frees_its_name(places, tmp_path):

@@ -553,6 +553,31 @@ def test_a_reply_stopped_before_its_first_token_gives_no_speed():
     assert stats_text(reply(10)).startswith("first token 50 ms · 20.0 tok/s · in memory 50")
 
 
+def test_a_long_status_message_ends_with_an_ellipsis_beside_whole_figures(qtbot):
+    """Found on a new-user walk: a long error in the status bar was cut off mid-letter
+    against the turn's figures."""
+    from PySide6.QtWidgets import QMainWindow
+
+    window = QMainWindow()
+    qtbot.addWidget(window)
+    status = TurnStatus(window.statusBar())
+    window.resize(700, 300)
+    window.show()
+    figures = "first token 0.13 s · 39.0 tok/s · in memory 2,757 tokens, 64.9 MB"
+    status.stats.setText(figures)
+    long = "trunc.gguf could not be read (damaged or truncated?): " + "tensor data " * 20
+    status.say(long)
+    # the figures whole, the message in the room left
+    whole = lambda: status.stats.width() >= status.stats.sizeHint().width()  # noqa: E731
+    qtbot.waitUntil(lambda: whole() and status.message.width() > 50, timeout=2_000)
+    assert status.message.geometry().right() < status.stats.geometry().left()
+    shown = status.message.shown_text()
+    assert shown.endswith("…") and long.startswith(shown[:-1])
+    assert status.message.text() == long and status.message.toolTip() == long
+    status.say("Stopped")
+    assert status.message.shown_text() == "Stopped"
+
+
 def test_the_live_count_says_one_token_not_one_tokens():
     assert live_text(1, 0.5) == "≈1 token · 2.0 tok/s"
     assert live_text(1_200, 0) == "≈1,200 tokens"

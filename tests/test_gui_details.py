@@ -92,10 +92,27 @@ def test_an_export_says_where_it_went(qtbot, open_window, tmp_path, monkeypatch)
     from PySide6.QtWidgets import QFileDialog
 
     target = tmp_path / "chat.md"
-    monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(target), ""))
+    offered = []  # the dialog's filter: the format written, not "All Files" (new-user walk)
+    monkeypatch.setattr(
+        QFileDialog,
+        "getSaveFileName",
+        lambda parent, title, start, kinds: offered.append(kinds) or (str(target), ""),
+    )
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=4)
     window.export(window.conversation_id, "markdown")  # what Ctrl+E does
     qtbot.waitUntil(lambda: target.is_file(), timeout=10_000)
     qtbot.waitUntil(lambda: window.status.message.text() == f"Exported to {target}", timeout=10_000)
     assert "Say hello." in target.read_text()
+    assert offered == ["Markdown (*.md)"]
+
+
+def test_the_smallest_window_still_shows_the_header_and_some_chat(qtbot, open_window):
+    """Found on a new-user walk: at the smallest size the window allowed (584x300) the
+    chat header was clipped and the chat 50 px tall."""
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=4)
+    window.resize(100, 100)  # as small as it goes
+    qtbot.waitUntil(lambda: window.width() < 1000, timeout=2_000)
+    assert window.header.height() >= window.header.minimumSizeHint().height()
+    assert window.chat.height() >= 150

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -173,10 +174,24 @@ def staged_folder(models_dir: Path, name: str, kind: str) -> Iterator[Path]:
         raise
 
 
+# A GGUF file's name often ends with how it is quantized ("….Q4_K_M.gguf", "…-f16.gguf"),
+# which the library's name for the model leaves out: it says that in its Weights column.
+_QUANT_TAG = re.compile(r"[.-](?:i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
+
+
+def name_for_gguf(path: Path) -> str:
+    """The library name a GGUF file is imported under unless the user gives one: its
+    file name, less ".gguf" and a final quantization tag."""
+    return _QUANT_TAG.sub("", path.stem) or path.stem
+
+
 def check_name(name: str) -> None:
     """A library name is one visible folder name."""
     if not name or name.startswith(".") or "/" in name or "\\" in name or name in {"..", "."}:
-        raise UserError(f"{name!r} is not a usable model name")
+        raise UserError(
+            f"{name!r} is not a usable model name: a model's name is one folder's, "
+            "without / or \\, and not starting with a dot"
+        )
 
 
 def mlx_folder_problem(folder: Path) -> str | None:

@@ -51,9 +51,9 @@ def confirm_delete(parent: QWidget, title: str) -> bool:
 
 def export_path(parent: QWidget, title: str, fmt: str) -> str | None:
     """Where to export a chat as `fmt`; None when cancelled."""
-    suffix = ".md" if fmt == "markdown" else ".json"
+    suffix, kind = (".md", "Markdown") if fmt == "markdown" else (".json", "JSON")
     start = str(Path.home() / f"{export_name(title)}{suffix}")
-    name, _ = QFileDialog.getSaveFileName(parent, "Export", start)
+    name, _ = QFileDialog.getSaveFileName(parent, "Export", start, f"{kind} (*{suffix})")
     return name or None
 
 

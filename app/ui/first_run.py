@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
 )
 
-from app.engine.models import STARTER_MODEL, list_models
+from app.engine.models import STARTER_MODEL, list_models, name_for_gguf
 from app.worker import WorkerThread
 from sessions import paths
 
@@ -100,7 +100,7 @@ class FirstRunDialog(QDialog):
         )
         if path:
             chosen = Path(path)
-            self.start(chosen, STARTER_MODEL if chosen.name == STARTER_FILE else chosen.stem)
+            self.start(chosen, name_for_gguf(chosen))
 
     def start(self, path: Path, name: str) -> None:
         for button in (self.import_button, self.choose_button, self.later_button):

@@ -72,6 +72,8 @@ class MainWindow(QMainWindow):
         super().__init__()
         self.setWindowTitle(f"Reprise {__version__}")
         self.resize(1100, 720)
+        # Smaller, the chat header wrapped onto five clipped lines over a chat 50 px tall.
+        self.setMinimumSize(640, 480)
         self.db = open_db(read_only=True)
         self.store = ConversationStore(self.db)
         self.index = CacheIndex(self.db)

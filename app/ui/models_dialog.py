@@ -105,7 +105,9 @@ class ModelsDialog(QDialog):
         )
         if not path:
             return
-        name, ok = QInputDialog.getText(self, "Import GGUF", "Model name:", text=Path(path).stem)
+        name, ok = QInputDialog.getText(
+            self, "Import GGUF", "Model name:", text=models.name_for_gguf(Path(path))
+        )
         if ok:
             self.start_import(path, name)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QElapsedTimer, QObject, QTimer, Slot
+from PySide6.QtCore import QElapsedTimer, QObject, QSize, Qt, QTimer, Slot
+from PySide6.QtGui import QPainter
 from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar
 
 from app.ui.preferences import kv_label_of
@@ -68,10 +69,38 @@ def stats_text(reply: ReplyFinished) -> str:
     return f"{speed} · in memory {cached:,} tokens, {stats.kv_bytes / 1e6:.1f} MB · {kind}"
 
 
+class CutLabel(QLabel):
+    """A one-line label that ends its text with "…" where the room runs out, the whole
+    text in its tooltip: a long message beside the turn's figures was cut off mid-letter
+    (a new-user walk). `text()` stays the whole text."""
+
+    def __init__(self) -> None:
+        super().__init__("")
+        self.setMinimumWidth(1)  # it gives way to the figures, not they to it
+
+    def setText(self, text: str) -> None:
+        super().setText(text)
+        self.setToolTip(text)
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(1, super().minimumSizeHint().height())
+
+    def sizeHint(self) -> QSize:
+        return QSize(1, super().sizeHint().height())
+
+    def shown_text(self) -> str:
+        """What fits of the text, as painted."""
+        cut = Qt.TextElideMode.ElideRight
+        return self.fontMetrics().elidedText(self.text(), cut, self.contentsRect().width())
+
+    def paintEvent(self, _event) -> None:
+        QPainter(self).drawText(self.contentsRect(), int(self.alignment()), self.shown_text())
+
+
 class TurnStatus(QObject):
     def __init__(self, status_bar: QStatusBar) -> None:
         super().__init__(status_bar)
-        self.message = QLabel("")
+        self.message = CutLabel()
         self.stats = QLabel("")
         self.progress = QProgressBar()
         # Wide enough for its longest text: in a status bar it is given its size hint,
