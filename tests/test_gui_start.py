@@ -104,6 +104,7 @@ def test_with_no_model_the_window_says_where_to_add_one_and_loses_nothing(
     open_models(window)
     qtbot.waitUntil(lambda: window.models.ready, timeout=READY_MS)
     assert window.models.state.text() == "Ready"
+    assert "File → Models…" not in window.status.message.text()  # no longer true
     prefer(window, temperature=0.0, max_tokens=8)
     window.composer.edit.submitted.emit()
     wait_reply(qtbot, window)

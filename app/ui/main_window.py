@@ -231,6 +231,7 @@ class MainWindow(QMainWindow):
     @Slot(str, str)
     def on_model_loaded(self, name: str, compute: str) -> None:
         self.models.show_loaded(name, compute)
+        self.status.unsay(NO_MODELS)
         self._show_header()
         self.ask_context()
         if not self.generating:  # a turn that loaded the model has its cache

@@ -130,6 +130,11 @@ class TurnStatus(QObject):
     def say(self, text: str) -> None:
         self.message.setText(text)
 
+    def unsay(self, text: str) -> None:
+        """No more `text`, if it is what the bar says (it no longer holds)."""
+        if self.message.text() == text:
+            self.message.setText("")
+
     def say_while_busy(self, text: str) -> None:
         """`text` until the turn under way ends (it speaks of that turn)."""
         self.message.setText(text)
@@ -160,8 +165,7 @@ class TurnStatus(QObject):
         if not busy:
             self._slow_start.stop()
             self.progress.hide()
-            if self._until_done and self.message.text() == self._until_done:
-                self.message.setText("")
+            self.unsay(self._until_done)
             self._until_done = ""
 
     @Slot()
