@@ -13,6 +13,7 @@ import contextlib
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,6 +57,7 @@ class EngineWorker(QObject):
     changed = Signal(int)  # a conversation (0: several) was changed; read it again
     preferences_saved = Signal(object)  # Preferences
     failed = Signal(str)  # a message for the user
+    turn_failed = Signal()  # after `failed`: the failure was a turn's (send, edit, …)
     context_counted = Signal(object)  # ContextUse
     busy_changed = Signal(bool)
     import_progress = Signal(str, int, int)  # stage, done, total
@@ -70,7 +72,9 @@ class EngineWorker(QObject):
         self._stop = threading.Event()
         self._service: ChatService | None = None
         self._selected = NEW_CONVERSATION  # the conversation on screen (set from the GUI)
-        self._announced: object = None  # the engine `model_loaded` last named
+        # The engine `model_loaded` last named; weakly: a model being replaced must be free
+        # to go before the next one loads (`ChatService.load_model`).
+        self._announced: weakref.ref | None = None
 
     def service(self) -> ChatService:
         """Made on first use, so its connection belongs to this thread. The engine (mlx,
@@ -113,19 +117,23 @@ class EngineWorker(QObject):
         """Not "busy": a message sent meanwhile is queued and answered once loaded."""
 
         def load() -> None:
-            self.service().load_model(name or None)
-            self._announce_model()
+            # Always answered: the window shows "Loading model…" until it is, even for
+            # the model already in (picked again in the toolbar).
+            self._announce(self.service().load_model(name or None))
 
         self._attempt("Loading the model", load)
 
-    def _announce_model(self) -> None:
-        """`model_loaded` for the engine now in use, once: a turn loads its chat's model
-        itself when none is (after an import from the Models dialog, or a chat of
-        another model), and the window hears of it as of any load."""
+    def _announce(self, engine: object) -> None:
+        self._announced = weakref.ref(engine)
+        self.model_loaded.emit(engine.loaded.name, engine.loaded.compute.describe())
+
+    def _announce_if_new(self) -> None:
+        """`model_loaded` for an engine a turn loaded itself (none was in: the toolbar's
+        load came to nothing), once, as for any load; also when the turn then failed."""
         engine = self._service.engine if self._service is not None else None
-        if engine is not None and engine is not self._announced:
-            self._announced = engine
-            self.model_loaded.emit(engine.loaded.name, engine.loaded.compute.describe())
+        announced = self._announced() if self._announced is not None else None
+        if engine is not None and engine is not announced:
+            self._announce(engine)
 
     @Slot(str, str)
     def import_gguf(self, path: str, name: str) -> None:
@@ -256,7 +264,9 @@ class EngineWorker(QObject):
         self._stop.clear()
         self.busy_changed.emit(True)
         try:
-            self._attempt("The reply", lambda: self._forward(start()))
+            if not self._attempt("The reply", lambda: self._forward(start())):
+                self.turn_failed.emit()
+            self._announce_if_new()
         finally:
             self.busy_changed.emit(False)
 
@@ -265,7 +275,7 @@ class EngineWorker(QObject):
         from app.engine.turns import CacheSaved, ReplyFinished, RestoreInfo
 
         for event in events:
-            self._announce_model()  # the turn may have loaded it
+            self._announce_if_new()  # the turn may have loaded it
             if isinstance(event, TextDelta):
                 self.text_delta.emit(event.text)
             elif isinstance(event, PromptProgress):

@@ -146,28 +146,3 @@ def test_special_token_ids_past_the_vocabulary_are_ignored(tmp_path):
     imported = import_gguf(gguf, tmp_path / "models", "ids")
     config = json.loads((imported.path / "tokenizer_config.json").read_text())
     assert config["bos_token"] is None and config["eos_token"] == "<|im_end|>"
-
-
-@pytest.mark.parametrize(
-    ("file", "name"),
-    [
-        ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
-        ("Llama-3.2-1B-Instruct-Q4_K_M.gguf", "Llama-3.2-1B-Instruct"),
-        ("gemma-2b-it-q8_0.gguf", "gemma-2b-it"),
-        ("Mistral-7B-v0.1.IQ2_XS.gguf", "Mistral-7B-v0.1"),
-        ("phi-2.F16.gguf", "phi-2"),
-        ("qwen2.5-7b.gguf", "qwen2.5-7b"),
-        ("Q4_0.gguf", "Q4_0"),
-    ],
-)
-def test_an_imported_gguf_is_named_without_its_quantization(tmp_path, file, name):
-    """Found on a new-user walk: the Models dialog named the starter "…Instruct.Q4_1",
-    first start "…Instruct". How a file is quantized is its Weights column's to say."""
-    from app.engine.models import name_for_gguf
-
-    assert name_for_gguf(tmp_path / file) == name
-
-
-def test_an_import_without_a_name_takes_the_files_name_less_its_quantization(tmp_path):
-    gguf = tiny.write_gguf(tmp_path / "tiny-random.Q8_0.gguf")
-    assert import_gguf(gguf, tmp_path / "models").name == "tiny-random"

@@ -110,6 +110,76 @@ def test_a_message_the_worker_refuses_goes_back_into_the_message_box(
     assert [m.content for m in window.chat.messages if m.role == "user"] == ["Name a colour."]
 
 
+def test_a_refused_edit_comes_back_as_the_edit_it_was_and_the_draft_waits(
+    qtbot, open_window, monkeypatch
+):
+    from PySide6.QtWidgets import QMessageBox
+
+    monkeypatch.setattr(QMessageBox, "warning", lambda *args: None)
+    window = open_window()
+    send(qtbot, window, "Name a colour.", greedy_tokens=4)
+    first = window.chat.messages[0].id
+    prefer(window, max_context=64)
+    window.composer.edit.setPlainText("a draft")
+    window.turns.on_chat_action("edit", first)
+    long = "Name every colour you know, and say why. " * 20
+    window.composer.edit.setPlainText(long)
+    window.composer.edit.submitted.emit()  # at once: the meter has not counted it
+    qtbot.waitUntil(lambda: not window.generating and window.composer.editing, timeout=READY_MS)
+    assert window.composer.editing == first and window.composer.edit.toPlainText() == long.strip()
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
+    assert window.composer.edit.toPlainText() == "a draft"
+
+
+def test_a_failure_that_is_not_a_turns_puts_no_text_anywhere(qtbot, open_window, tmp_path):
+    """Review: a failed export after a sent message put that message, long saved, into a
+    new chat's empty box; and one queued just before a turn took that turn's text."""
+    window = open_window()
+    send(qtbot, window, "Name a colour.", greedy_tokens=4)
+    sent = window.conversation_id
+    window.new_chat()
+    boxes = []
+    window.engine.worker.failed.connect(boxes.append)
+    when_a_box_opens(lambda box: box.accept(), kind=QMessageBox)
+    window.export_requested.emit(sent, "markdown", str(tmp_path / "no" / "such" / "x.md"))
+    qtbot.waitUntil(lambda: bool(boxes), timeout=10_000)
+    qtbot.wait(200)
+    assert window.composer.edit.toPlainText() == ""
+    window.show_conversation(sent)
+    when_a_box_opens(lambda box: box.accept(), kind=QMessageBox)
+    window.export_requested.emit(sent, "markdown", str(tmp_path / "no" / "such" / "y.md"))
+    window.composer.edit.setPlainText("Name another colour.")
+    window.composer.edit.submitted.emit()
+    wait_reply(qtbot, window)
+    assert window.composer.edit.toPlainText() == ""
+    users = [m.content for m in window.chat.messages if m.role == "user"]
+    assert users == ["Name a colour.", "Name another colour."]
+
+
+def test_an_empty_chat_opened_says_nothing_of_a_cache(qtbot, open_window, monkeypatch):
+    """Review: a new chat whose first message was refused is left without messages; opened
+    again it said "Not restored (no saved cache)", for a chat with nothing to read."""
+    from PySide6.QtWidgets import QMessageBox
+
+    monkeypatch.setattr(QMessageBox, "warning", lambda *args: None)
+    window = open_window()
+    send(qtbot, window, "Name a colour.", greedy_tokens=4)
+    other = window.conversation_id
+    window.new_chat()
+    prefer(window, max_context=64)
+    window.composer.edit.setPlainText("Name every colour you know, and say why. " * 20)
+    window.composer.edit.submitted.emit()
+    qtbot.waitUntil(
+        lambda: not window.generating and window.conversation_id is not None, timeout=READY_MS
+    )
+    empty = window.conversation_id
+    assert window.store.get(empty).messages == []
+    window.show_conversation(other)
+    window.show_conversation(empty)
+    qtbot.wait(500)  # the restore asked for on selection has answered
+    assert not window.status.message.text().startswith("Not restored")
+
+
 def test_after_a_click_on_stop_the_message_box_has_the_keyboard(qtbot, open_window):
     window = open_window()
     window.activateWindow()

@@ -69,6 +69,28 @@ def test_import_gguf_through_the_dialog(qtbot, dialog, tmp_path):
     assert names() == ["imported-tiny"]
 
 
+@pytest.mark.parametrize(
+    ("file", "offered"),
+    [
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),  # first start's name
+        ("Tiny-Q4_0.gguf", "Tiny-Q4_0"),  # another quantization would be "Tiny" too
+    ],
+)
+def test_import_gguf_offers_the_name_first_start_gives(qtbot, dialog, monkeypatch, file, offered):
+    """Found on a new-user walk: the dialog offered "…Instruct.Q4_1" for the starter
+    file, which first start imports as "…Instruct". The file dialog and the name box are
+    the desktop's; they answer here as a user would, the name box with what it offered."""
+    from PySide6.QtWidgets import QFileDialog, QInputDialog
+
+    asked = []
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a: (f"/somewhere/{file}", ""))
+    monkeypatch.setattr(
+        QInputDialog, "getText", lambda *a, text: asked.append(text) or (text, False)
+    )
+    dialog.choose_gguf()
+    assert asked == [offered]
+
+
 def test_the_model_in_use_is_marked_and_not_deleted(qtbot, tiny_model_dir, monkeypatch):
     """Deleting the loaded model would leave the window 'Ready' with nothing to run."""
     from PySide6.QtWidgets import QMessageBox

@@ -155,3 +155,46 @@ def test_a_restart_reopens_the_last_chat_and_restores_its_cache(qtbot, library):
     qtbot.waitUntil(lambda: again.status.message.text().startswith("Ready: "), timeout=READY_MS)
     assert "tokens restored in" in again.status.message.text()
     again.close()
+
+
+def test_picking_the_model_in_use_again_leaves_it_ready(qtbot, open_window):
+    """Review: the toolbar said "Loading model…" for good after the model already in was
+    picked again (its load was not answered)."""
+    window = open_window()
+    picker = window.models.picker
+    picker.activated.emit(picker.currentIndex())
+    assert window.models.state.text() == "Loading model…"
+    qtbot.waitUntil(lambda: window.models.ready, timeout=READY_MS)
+    assert window.models.state.text() == "Ready"
+
+
+def test_a_model_that_fails_to_load_leaves_the_one_before_free_to_go(qtbot, library):
+    """Review: the worker's note of the model it had announced held the old model's
+    memory while the next one loaded, and for good when that load failed."""
+    import gc
+    import weakref
+
+    from PySide6.QtCore import QObject, Signal
+
+    from app.worker import WorkerThread
+    from sessions import paths
+
+    class Asks(QObject):
+        load = Signal(str)
+
+    engine = WorkerThread()
+    asks = Asks()
+    asks.load.connect(engine.worker.load_model)
+    try:
+        with qtbot.waitSignal(engine.worker.model_loaded, timeout=READY_MS):
+            asks.load.emit(STARTER_NAME)
+        before = weakref.ref(engine.worker._service.engine)
+        broken = paths.models_dir() / "broken"
+        broken.mkdir()
+        (broken / "config.json").write_text('{"model_type": "llama"}')
+        with qtbot.waitSignal(engine.worker.failed, timeout=READY_MS):
+            asks.load.emit("broken")
+        gc.collect()
+        assert before() is None
+    finally:
+        engine.shutdown()

@@ -82,7 +82,7 @@ def _import(args: argparse.Namespace, models_dir: Path) -> int:
         if item is None or item.kind != found.GGUF:
             raise UserError(f"No such file, and no GGUF found by that name: {args.path}")
         path, name = item.path, name or item.name
-    name = name or models.name_for_gguf(path)
+    name = name or path.stem
     if args.if_missing and models.read_info(models_dir / name):
         print(f"{name} is already installed")
         return 0

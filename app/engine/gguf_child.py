@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 from app.engine.gguf_import import GGUFImportError, ImportedModel, Progress
-from app.engine.models import name_for_gguf
 from sessions import paths
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ def import_in_child(
         )
     if "refused" in outcome:
         raise GGUFImportError(outcome["refused"])
-    _remove_staging(models_dir, name or name_for_gguf(Path(gguf_path)))
+    _remove_staging(models_dir, name or Path(gguf_path).stem)
     if "bug" in outcome:
         log.error("the GGUF import failed:\n%s", outcome["bug"])
         raise GGUFImportError(

@@ -35,7 +35,7 @@ from app.engine.gguf_arch import (
 from app.engine.gguf_check import GGUFImportError, check_gguf
 from app.engine.gguf_spm import sentencepiece_tokenizer
 from app.engine.gguf_tensors import read_tensors
-from app.engine.models import check_name, name_for_gguf, staged_folder
+from app.engine.models import check_name, staged_folder
 
 __all__ = ["GGUFImportError", "ImportedModel", "import_gguf"]
 
@@ -87,7 +87,7 @@ def import_gguf(
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise GGUFImportError(f"No such file: {gguf_path}")
-    name = name or name_for_gguf(gguf_path)
+    name = name or gguf_path.stem
     check_name(name)
     target = models_dir / name
     if target.exists():

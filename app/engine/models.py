@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -172,17 +171,6 @@ def staged_folder(models_dir: Path, name: str, kind: str) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-# A GGUF file's name often ends with how it is quantized ("….Q4_K_M.gguf", "…-f16.gguf"),
-# which the library's name for the model leaves out: it says that in its Weights column.
-_QUANT_TAG = re.compile(r"[.-](?:i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
-
-
-def name_for_gguf(path: Path) -> str:
-    """The library name a GGUF file is imported under unless the user gives one: its
-    file name, less ".gguf" and a final quantization tag."""
-    return _QUANT_TAG.sub("", path.stem) or path.stem
 
 
 def check_name(name: str) -> None:

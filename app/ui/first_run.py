@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
 )
 
-from app.engine.models import STARTER_MODEL, list_models, name_for_gguf
+from app.engine.models import STARTER_MODEL, list_models
 from app.worker import WorkerThread
 from sessions import paths
 
@@ -39,6 +39,15 @@ def starter_gguf() -> Path | None:
         if name and Path(name).is_file():
             return Path(name)
     return None
+
+
+def suggested_name(gguf: Path) -> str:
+    """The name offered for a GGUF file's import: the starter model's own for its file
+    (the name the README, first start and `make run` use), else the file's name. The
+    Models dialog offers the same (it said "…Instruct.Q4_1" where first start said
+    "…Instruct"). Quantization tags stay: two quantizations of one model are two models,
+    and the found list knows an installed file by its name."""
+    return STARTER_MODEL if gguf.name == STARTER_FILE else gguf.stem
 
 
 def welcome_text(starter: Path | None) -> str:
@@ -100,7 +109,7 @@ class FirstRunDialog(QDialog):
         )
         if path:
             chosen = Path(path)
-            self.start(chosen, name_for_gguf(chosen))
+            self.start(chosen, suggested_name(chosen))
 
     def start(self, path: Path, name: str) -> None:
         for button in (self.import_button, self.choose_button, self.later_button):

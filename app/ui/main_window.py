@@ -178,6 +178,7 @@ class MainWindow(QMainWindow):
         worker.saved.connect(self.on_saved)
         worker.changed.connect(self.on_changed)
         worker.failed.connect(self.on_failed)
+        worker.turn_failed.connect(self.on_turn_failed)
         worker.exported.connect(self.status.on_exported)
         worker.busy_changed.connect(self.on_busy)
         worker.context_counted.connect(self.on_context_counted)
@@ -321,7 +322,7 @@ class MainWindow(QMainWindow):
     @Slot(int, object)
     def on_prefetched(self, conversation_id: int, info: RestoreInfo) -> None:
         if conversation_id == self.conversation_id and not self.generating:
-            self.status.on_prefetched(info)
+            self.status.on_prefetched(info, has_messages=bool(self.chat.messages))
 
     # -- the context meter ----------------------------------------------------------
 
@@ -370,6 +371,7 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def on_finished(self, reply: ReplyFinished) -> None:
+        self.turns.pending = None  # answered: its text is the chat's
         if self.conversation_id == reply.conversation_id:
             self.chat.update_messages(rendered_messages(self.store, self.conversation_id))
             self._show_header()  # the turn made the model it ran with the chat's
@@ -401,11 +403,15 @@ class MainWindow(QMainWindow):
     def on_failed(self, message: str) -> None:
         self.status.on_failed(message)
         self.models.show_failed()
+        QMessageBox.warning(self, "Reprise", message)
+
+    @Slot()
+    def on_turn_failed(self) -> None:
+        """The chat as saved (no reply bubble waits for a reply that is not coming), and
+        the turn's text back where it was written if the chat did not keep it."""
         if self.conversation_id is None or self._exists(self.conversation_id):
-            # What was saved: no reply bubble waiting for a reply that is not coming.
             self.chat.show_messages(rendered_messages(self.store, self.conversation_id))
         self.turns.failed()
-        QMessageBox.warning(self, "Reprise", message)
 
     # -- sidebar actions ---------------------------------------------------------------
 

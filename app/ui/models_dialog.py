@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.engine import models
+from app.ui.first_run import suggested_name
 from app.ui.found_list import FoundList
 from sessions import paths
 
@@ -106,7 +107,7 @@ class ModelsDialog(QDialog):
         if not path:
             return
         name, ok = QInputDialog.getText(
-            self, "Import GGUF", "Model name:", text=models.name_for_gguf(Path(path))
+            self, "Import GGUF", "Model name:", text=suggested_name(Path(path))
         )
         if ok:
             self.start_import(path, name)

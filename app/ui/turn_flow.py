@@ -5,6 +5,7 @@ wires to the worker)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, Slot
@@ -17,11 +18,22 @@ if TYPE_CHECKING:
     from app.ui.main_window import MainWindow
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A message sent (or an edit, of message `before`) whose turn is under way, with the
+    chat it went to and how many saved messages of the user's that chat showed."""
+
+    text: str
+    conversation_id: int | None
+    user_messages: int
+    before: int | None = None
+
+
 class TurnFlow(QObject):
     def __init__(self, window: MainWindow) -> None:
         super().__init__(window)
         self.window = window
-        self.sent = ""  # the text of the turn asked for last, until it is answered
+        self.pending: Pending | None = None  # the text of the turn under way
 
     @Slot(str)
     def send(self, text: str) -> None:
@@ -34,7 +46,7 @@ class TurnFlow(QObject):
         if w.meter.known_not_to_fit(w.conversation_id, text):
             w.composer.edit.setPlainText(text)  # kept: the meter says why and what to do
             return
-        self.sent = text
+        self.pending = Pending(text, w.conversation_id, self._user_messages())
         w.chat.append_streaming(RenderedMessage(-1, "user", text))
         self.start(text)
         w.send_requested.emit(w.conversation_id or NEW_CONVERSATION, text)
@@ -54,6 +66,7 @@ class TurnFlow(QObject):
 
     def regenerate(self) -> None:
         w = self.window
+        self.pending = None  # no text of the user's in this turn
         last = w.chat.messages[-1] if w.chat.messages else None
         if last is not None and last.role == "assistant":
             w.chat.show_messages(w.chat.messages[:-1])  # drawn again, without it
@@ -66,6 +79,7 @@ class TurnFlow(QObject):
         last = w.chat.messages[-1] if w.chat.messages else None
         if last is None or last.id != message_id:
             return
+        self.pending = None
         w.expect_reply()
         last.state, last.cut = "streaming", False
         w.chat.redraw_last(scroll_to_end=True)
@@ -86,8 +100,8 @@ class TurnFlow(QObject):
             w.composer.edit.setPlainText(text)
             return
         ids = [m.id for m in w.chat.messages]
+        self.pending = Pending(text, w.conversation_id, self._user_messages(), message_id)
         w.chat.show_messages(w.chat.messages[: ids.index(message_id)])
-        self.sent = text
         w.chat.append_streaming(RenderedMessage(-1, "user", text))
         self.start(text, message_id)
         w.edit_requested.emit(message_id, text)
@@ -103,15 +117,27 @@ class TurnFlow(QObject):
             # The worker answers once the model it is loading is in (requests are queued).
             w.status.say("Waiting for the model to load…")
 
+    def _user_messages(self) -> int:
+        return sum(m.role == "user" and m.id > 0 for m in self.window.chat.messages)
+
     def failed(self) -> None:
-        """The turn failed (the chat on screen is drawn again from what was saved): a
-        message that was never saved goes back into an empty message box."""
-        w, text = self.window, self.sent
-        self.sent = ""
-        saved = [m.content for m in w.chat.messages if m.role == "user"]
-        if text and text not in saved[-1:] and not w.composer.edit.toPlainText():
-            w.composer.edit.setPlainText(text)
-            w.composer.edit.moveCursor(QTextCursor.MoveOperation.End)
+        """The turn under way failed, and the chat on screen is drawn from what was saved
+        (a turn stays on its chat). Its text, if the chat did not keep it, goes back: a
+        message into the box, before anything typed since; an edit into the edit it was."""
+        pending, self.pending, w = self.pending, None, self.window
+        if pending is None or pending.conversation_id not in (None, w.conversation_id):
+            return
+        on_screen = [m.id for m in w.chat.messages if m.role == "user"]
+        if pending.before is not None:
+            if pending.before in on_screen:  # the edit was not saved
+                w.composer.begin_edit(pending.before, w.store.message(pending.before).content)
+                w.composer.edit.setPlainText(pending.text)
+            return
+        if len(on_screen) > pending.user_messages:
+            return  # saved: the chat has it
+        typed = w.composer.edit.toPlainText()
+        w.composer.edit.setPlainText(f"{pending.text}\n\n{typed}" if typed else pending.text)
+        w.composer.edit.moveCursor(QTextCursor.MoveOperation.End)
 
     def _count(self, text: str, before: int | None = None) -> None:
         """Count what the turn sends, before it is sent (the worker answers in order):

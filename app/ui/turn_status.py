@@ -198,12 +198,12 @@ class TurnStatus(QObject):
         )
         self.message.setText("" if first_turn else text)
 
-    def on_prefetched(self, info: RestoreInfo) -> None:
+    def on_prefetched(self, info: RestoreInfo, has_messages: bool = True) -> None:
         """The selected chat's cache is in memory: its next reply starts at once; or it
         could not be restored, and its next reply will take a while."""
         if info.source == "disk":
             self.message.setText(f"Ready: {info.tokens:,} tokens restored in {took(info.seconds)}")
-        elif info.rejected:  # a wait is coming: say so now, not after Send
+        elif info.rejected and has_messages:  # a wait is coming: say so now, not after Send
             said = f"Not restored ({info.rejected}): the next reply reads the chat again"
             self.message.setText(said)
 
