@@ -57,15 +57,21 @@ class Drafts:
     def _write(self, texts: dict[int, str]) -> None:
         """Atomically: a crash mid-write leaves the previous file, never half of one. A
         write that fails (a full disk, a read-only folder) keeps the drafts in memory."""
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
         # ASCII JSON: any str goes, a lone surrogate from a paste too.
-        data = json.dumps({str(i): text for i, text in texts.items()})
-        try:
-            tmp.write_text(data, encoding="ascii")
-            os.replace(tmp, self.path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+        write_atomically(self.path, json.dumps({str(i): text for i, text in texts.items()}))
+
+
+def write_atomically(path: Path, ascii_text: str) -> None:
+    """`path` holds `ascii_text`, or what it held before: a crash mid-write leaves the
+    previous file, never half of one. A write that fails is let go (the window's own
+    files: their state stays in memory)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(ascii_text, encoding="ascii")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def _set(texts: dict[int, str], conversation_id: int, text: str) -> None:

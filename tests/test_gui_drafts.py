@@ -155,3 +155,29 @@ def test_a_reader_scrolled_up_stays_there_when_the_reply_ends(qtbot, open_window
     bar.setValue(bar.maximum())  # and one who reads at the end is kept there
     send(qtbot, window, "Thanks.", greedy_tokens=4)
     qtbot.waitUntil(lambda: bar.value() == bar.maximum(), timeout=5_000)
+
+
+def test_the_window_opens_where_it_was_left(qtbot, open_window):
+    """Found on a new-user walk: every start opened the window at its default size, the
+    sidebar at its default width (`window.json`, the window's own, as the drafts are)."""
+    window = open_window()
+    window.resize(700, 520)  # within the test screen: Qt keeps a window on its screen
+    window.splitter.setSizes([300, 400])
+    qtbot.waitUntil(lambda: window.size().width() == 700, timeout=2_000)
+    sidebar = window.splitter.sizes()[0]
+    window.close()
+
+    again = open_window()
+    assert (again.width(), again.height()) == (700, 520)
+    assert again.splitter.sizes()[0] == sidebar
+
+
+def test_a_damaged_window_file_opens_the_window_as_at_first(qtbot, open_window):
+    from sessions import paths, window_state
+
+    path = paths.data_dir() / window_state.FILE_NAME
+    for damaged in ('{"geometry": "AAAA", "splitter": 7}', "[1, 2]", "\xff not json"):
+        path.write_text(damaged, encoding="latin-1")
+        window = open_window()
+        assert (window.width(), window.height()) == (1100, 720)
+        window.close()

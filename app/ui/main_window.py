@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import Qt, QTimer, Signal, Slot
+from PySide6.QtCore import QByteArray, Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (
     QMainWindow,
     QMessageBox,
@@ -34,7 +34,7 @@ from app.ui.sidebar import Sidebar
 from app.ui.turn_flow import TurnFlow
 from app.ui.turn_status import TurnStatus
 from app.worker import NEW_CONVERSATION, NO_MODELS, WorkerThread
-from sessions import paths
+from sessions import paths, window_state
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
@@ -92,6 +92,7 @@ class MainWindow(QMainWindow):
         self._count_soon = QTimer(self, singleShot=True, interval=COUNT_AFTER_MS)
         self.models = ModelBar()
         self._build_layout()
+        self._restore_place()
         theme.follow(self.chat, self.preferences().theme)
         self.status = TurnStatus(self.statusBar())
         self.turns = TurnFlow(self)
@@ -133,13 +134,31 @@ class MainWindow(QMainWindow):
         column.addWidget(self.chat, 1)
         column.addWidget(self.composer)
         column.addWidget(self.meter)
-        splitter = QSplitter()
-        splitter.addWidget(self.sidebar)
-        splitter.addWidget(right)
-        splitter.setStretchFactor(1, 1)
-        splitter.setSizes([260, 840])
-        self.setCentralWidget(splitter)
+        self.splitter = QSplitter()
+        self.splitter.addWidget(self.sidebar)
+        self.splitter.addWidget(right)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([260, 840])
+        self.setCentralWidget(self.splitter)
         self.addToolBar(self.models)
+
+    def _restore_place(self) -> None:
+        """Where the window was when it last closed, and the sidebar's width (a state
+        Qt cannot use, from another screen or a damaged file, is let go)."""
+        state = window_state.load(paths.data_dir() / window_state.FILE_NAME)
+        for name, restore in (
+            ("geometry", self.restoreGeometry),
+            ("splitter", self.splitter.restoreState),
+        ):
+            if name in state:
+                restore(QByteArray.fromBase64(state[name].encode("ascii")))
+
+    def _keep_place(self) -> None:
+        state = {
+            "geometry": self.saveGeometry().toBase64().data().decode("ascii"),
+            "splitter": self.splitter.saveState().toBase64().data().decode("ascii"),
+        }
+        window_state.save(paths.data_dir() / window_state.FILE_NAME, state)
 
     def _wire(self) -> None:
         """Every connection to and from the worker, in one place. Each handler of a
@@ -436,7 +455,9 @@ class MainWindow(QMainWindow):
     # -- quitting ------------------------------------------------------------------------
 
     def closeEvent(self, event) -> None:
-        """Keep the draft, stop a reply, let the worker finish its save, then go."""
+        """Keep the draft and where the window is, stop a reply, let the worker finish
+        its save, then go."""
         self.drafts.keep()
+        self._keep_place()
         wait_for_worker(self.engine, self)
         event.accept()
