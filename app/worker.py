@@ -91,6 +91,11 @@ class EngineWorker(QObject):
     def stop(self) -> None:
         self._stop.set()
 
+    # Called directly from the GUI thread as a turn is asked for, before it is queued: a
+    # Stop from then on stops that turn, also while it waits for the model to load.
+    def arm(self) -> None:
+        self._stop.clear()
+
     # Called directly from the GUI thread, before `prefetch` is queued: a prefetch of a
     # conversation no longer on screen is skipped, so only the latest selection restores.
     def select(self, conversation_id: int) -> None:
@@ -261,13 +266,15 @@ class EngineWorker(QObject):
         self._attempt(what, unless_gone)
 
     def _run(self, start: Callable[[], Iterator]) -> None:
-        self._stop.clear()
+        """A turn. Its Stop flag was cleared when the window asked for it (`arm`), and
+        is cleared again once it is over: a Stop pressed late stops no later turn."""
         self.busy_changed.emit(True)
         try:
             if not self._attempt("The reply", lambda: self._forward(start())):
                 self.turn_failed.emit()
             self._announce_if_new()
         finally:
+            self._stop.clear()
             self.busy_changed.emit(False)
 
     def _forward(self, events: Iterator) -> None:

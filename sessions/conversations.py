@@ -233,6 +233,18 @@ class ConversationStore:
         return self.message(message_id)
 
     @guarded
+    def newest_message_id(self) -> int:
+        """The id of the newest message of any conversation (0: none yet)."""
+        return self.db.execute("select coalesce(max(id), 0) from messages").fetchone()[0]
+
+    def user_messages_after(self, conversation_id: int, message_id: int) -> int:
+        """How many messages of the user's the conversation got after message `message_id`
+        (by id, on any branch)."""
+        query = (
+            "select count(*) from messages where conversation_id = ? and role = 'user' and id > ?"
+        )
+        return self.db.execute(query, [conversation_id, message_id]).fetchone()[0]
+
     def message(self, message_id: int) -> Message:
         if not is_row_id(message_id):
             raise NotFound(f"No message {message_id}")

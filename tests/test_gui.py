@@ -180,6 +180,32 @@ def test_an_empty_chat_opened_says_nothing_of_a_cache(qtbot, open_window, monkey
     assert not window.status.message.text().startswith("Not restored")
 
 
+def test_a_refused_message_comes_back_whatever_branch_the_view_shows(
+    qtbot, open_window, monkeypatch
+):
+    """Review: whether the chat kept a refused message was judged by counting the user's
+    messages on screen, and a branch switch still queued when it was sent changed the
+    count: the message was taken as saved, and lost. The database says now."""
+    from PySide6.QtWidgets import QMessageBox
+
+    said = []
+    monkeypatch.setattr(QMessageBox, "warning", lambda parent, title, text: said.append(text))
+    window = open_window()
+    for text in ("Name a colour.", "Name another.", "And one more."):
+        send(qtbot, window, text, greedy_tokens=4)
+    window.turns.on_chat_action("edit", window.chat.messages[0].id)
+    window.composer.edit.setPlainText("Name a fruit.")
+    window.composer.edit.submitted.emit()
+    wait_reply(qtbot, window)  # a short branch on screen, a longer one beside it
+    prefer(window, max_context=256)
+    window.turns.on_chat_action("branch-prev", window.chat.messages[0].id)
+    long = "Name every colour you know, and say why. " * 40
+    window.composer.edit.setPlainText(long)
+    window.composer.edit.submitted.emit()  # before the switch is on screen
+    qtbot.waitUntil(lambda: bool(said) and not window.generating, timeout=READY_MS)
+    assert window.composer.edit.toPlainText() == long.strip()
+
+
 def test_after_a_click_on_stop_the_message_box_has_the_keyboard(qtbot, open_window):
     window = open_window()
     window.activateWindow()

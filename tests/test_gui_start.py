@@ -8,6 +8,7 @@ import sys
 
 from conftest import STARTER_NAME
 from gui_window import READY_MS, prefer, wait_reply, when_a_box_opens
+from PySide6.QtCore import Qt
 
 from app.ui.main_window import MainWindow
 
@@ -198,3 +199,63 @@ def test_a_model_that_fails_to_load_leaves_the_one_before_free_to_go(qtbot, libr
         assert before() is None
     finally:
         engine.shutdown()
+
+
+def boxes_said(monkeypatch) -> list[str]:
+    """What the window's warning boxes said (each answered at once)."""
+    from PySide6.QtWidgets import QMessageBox
+
+    said: list[str] = []
+    monkeypatch.setattr(QMessageBox, "warning", lambda parent, title, text: said.append(text))
+    return said
+
+
+def test_while_the_model_loads_a_second_message_waits_and_stop_is_heard(
+    qtbot, open_window, monkeypatch
+):
+    """Review: while a turn waited for the model the box still said Send, so a second
+    Enter sent a second turn (texts lost, doubled or in two chats), and a Stop then was
+    dropped when the turn began."""
+    boxes_said(monkeypatch)
+    window = open_window()
+    prefer(window, temperature=0.0, max_tokens=400)
+    window.on_model_picked(window.models.current())  # loading again
+    window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
+    window.composer.edit.submitted.emit()
+    assert window.composer.button.text() == "Stop"
+    window.composer.edit.setPlainText("And another one.")
+    window.composer.edit.submitted.emit()  # Enter: not sent, kept
+    assert window.composer.edit.toPlainText() == "And another one."
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)  # Stop, still waiting
+    wait_reply(qtbot, window)
+    stored = window.store.get(window.conversation_id).messages
+    assert [m.role for m in stored] == ["user", "assistant"]
+    assert stored[-1].state == "cancelled"
+    assert window.composer.edit.toPlainText() == "And another one."
+
+
+def test_two_quick_picks_never_say_ready_with_no_model(
+    qtbot, open_window, monkeypatch, starter_model_dir
+):
+    """Review: the first pick's answer, arriving while the second (a broken model)
+    loaded, said Ready; the failure then left it so, with no model in, and every count
+    of the draft tried the broken one again, a box each time."""
+    import shutil
+
+    from sessions import paths
+
+    said = boxes_said(monkeypatch)
+    (paths.models_dir() / "Other").symlink_to(starter_model_dir)
+    broken = paths.models_dir() / "broken"
+    broken.mkdir()
+    shutil.copy(starter_model_dir / "config.json", broken / "config.json")
+    window = open_window()
+    window.refresh_models()
+    window.on_model_picked("Other")
+    window.on_model_picked("broken")
+    qtbot.waitUntil(lambda: bool(said), timeout=READY_MS)
+    qtbot.wait(500)  # the first pick's answer has come too
+    assert not window.models.ready and window.models.state.text() == "No model loaded"
+    window.composer.edit.setPlainText("a draft, counted after a pause")
+    qtbot.wait(1500)
+    assert len(said) == 1

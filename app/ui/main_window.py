@@ -230,7 +230,7 @@ class MainWindow(QMainWindow):
     @Slot(str)
     def on_model_picked(self, name: str) -> None:
         self.ask_to_save(replace(self.preferences(), model=name))
-        self.models.show_loading()
+        self.models.show_loading(name)
         self.load_model_requested.emit(name)
 
     def refresh_models(self) -> None:
@@ -245,12 +245,13 @@ class MainWindow(QMainWindow):
             self.models.show_failed()
             self.status.say(NO_MODELS)
             return
-        self.models.show_loading()
+        self.models.show_loading(self.models.current())
         self.load_model_requested.emit(self.models.current())
 
     @Slot(str, str)
     def on_model_loaded(self, name: str, compute: str) -> None:
-        self.models.show_loaded(name, compute)
+        if not self.models.show_loaded(name, compute):
+            return  # an earlier model's: the one picked since is still loading
         self.status.unsay(NO_MODELS)
         self._show_header()
         self.ask_context()
@@ -371,8 +372,12 @@ class MainWindow(QMainWindow):
     def expect_reply(self) -> None:
         """A turn was asked for: from now, not from when the worker starts it (it may be
         loading the model), the reply's chat stays on screen, and what is typed is its
-        draft. The worker's `busy_changed` ends it, as every turn it runs says False."""
+        draft. The worker's `busy_changed` ends it, as every turn it runs says False.
+        The message box is Stop from now too: a second Enter while the model loads sent
+        a second turn, and Stop then was not heard."""
         self.generating = True
+        self.composer.set_generating(True)
+        self.engine.worker.arm()
 
     @Slot(bool)
     def on_busy(self, busy: bool) -> None:

@@ -29,6 +29,7 @@ class ModelBar(QToolBar):
         # A toolbar shows or hides its widgets through their actions.
         self.loading_action = self.addWidget(self.loading)
         self.ready = False
+        self.awaited: str | None = None  # the model asked for last, until it is in
         self.compute = ""  # how the loaded model runs, once one is
         self.picker.activated.connect(self._on_activated)
 
@@ -48,23 +49,31 @@ class ModelBar(QToolBar):
     def current(self) -> str:
         return self.picker.currentText()
 
-    def show_loading(self) -> None:
+    def show_loading(self, name: str) -> None:
         self.ready = False
+        self.awaited = name
         self.state.setText(LOADING)
         self.state.setToolTip("")
         self.loading_action.setVisible(True)
 
-    def show_loaded(self, name: str, compute: str) -> None:
-        """Ready; how the model runs (device, weights, BLAS) is a tooltip, not jargon on the bar."""
+    def show_loaded(self, name: str, compute: str) -> bool:
+        """Ready; how the model runs (device, weights, BLAS) is a tooltip, not jargon on the
+        bar. False, and nothing shown, for another model than the one asked for last (two
+        quick picks: the first one's answer came while the second loaded)."""
+        if self.awaited not in (None, name):
+            return False
+        self.awaited = None
         self.ready = True
         self.compute = compute  # "cpu, float32 …" or "gpu, …": which measured figures apply
         self.state.setText("Ready")
         self.state.setToolTip(f"Running on {compute}")
         self.loading_action.setVisible(False)
         self.picker.setCurrentText(name)
+        return True
 
     def show_failed(self) -> None:
         """The load failed: say so, unless a model loaded before is still there."""
+        self.awaited = None
         if not self.ready:
             self.state.setText(NO_MODEL)
             self.loading_action.setVisible(False)

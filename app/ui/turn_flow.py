@@ -21,11 +21,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Pending:
     """A message sent (or an edit, of message `before`) whose turn is under way, with the
-    chat it went to and how many saved messages of the user's that chat showed."""
+    chat it went to and the newest message saved anywhere when it was asked for."""
 
     text: str
     conversation_id: int | None
-    user_messages: int
+    newest: int
     before: int | None = None
 
 
@@ -46,7 +46,7 @@ class TurnFlow(QObject):
         if w.meter.known_not_to_fit(w.conversation_id, text):
             w.composer.edit.setPlainText(text)  # kept: the meter says why and what to do
             return
-        self.pending = Pending(text, w.conversation_id, self._user_messages())
+        self.pending = Pending(text, w.conversation_id, w.store.newest_message_id())
         w.chat.append_streaming(RenderedMessage(-1, "user", text))
         self.start(text)
         w.send_requested.emit(w.conversation_id or NEW_CONVERSATION, text)
@@ -100,7 +100,7 @@ class TurnFlow(QObject):
             w.composer.edit.setPlainText(text)
             return
         ids = [m.id for m in w.chat.messages]
-        self.pending = Pending(text, w.conversation_id, self._user_messages(), message_id)
+        self.pending = Pending(text, w.conversation_id, w.store.newest_message_id(), message_id)
         w.chat.show_messages(w.chat.messages[: ids.index(message_id)])
         w.chat.append_streaming(RenderedMessage(-1, "user", text))
         self.start(text, message_id)
@@ -117,9 +117,6 @@ class TurnFlow(QObject):
             # The worker answers once the model it is loading is in (requests are queued).
             w.status.say("Waiting for the model to load…")
 
-    def _user_messages(self) -> int:
-        return sum(m.role == "user" and m.id > 0 for m in self.window.chat.messages)
-
     def failed(self) -> None:
         """The turn under way failed, and the chat on screen is drawn from what was saved
         (a turn stays on its chat). Its text, if the chat did not keep it, goes back: a
@@ -127,14 +124,13 @@ class TurnFlow(QObject):
         pending, self.pending, w = self.pending, None, self.window
         if pending is None or pending.conversation_id not in (None, w.conversation_id):
             return
-        on_screen = [m.id for m in w.chat.messages if m.role == "user"]
+        cid = w.conversation_id  # a new chat's, once the worker made it
+        if cid is not None and w.store.user_messages_after(cid, pending.newest):
+            return  # saved (what the view shows may be another branch): the chat has it
         if pending.before is not None:
-            if pending.before in on_screen:  # the edit was not saved
-                w.composer.begin_edit(pending.before, w.store.message(pending.before).content)
-                w.composer.edit.setPlainText(pending.text)
+            w.composer.begin_edit(pending.before, w.store.message(pending.before).content)
+            w.composer.edit.setPlainText(pending.text)
             return
-        if len(on_screen) > pending.user_messages:
-            return  # saved: the chat has it
         typed = w.composer.edit.toPlainText()
         w.composer.edit.setPlainText(f"{pending.text}\n\n{typed}" if typed else pending.text)
         w.composer.edit.moveCursor(QTextCursor.MoveOperation.End)
