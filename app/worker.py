@@ -282,12 +282,12 @@ class EngineWorker(QObject):
         from app.engine.turns import CacheSaved, ReplyFinished, RestoreInfo
 
         for event in events:
-            self._announce_if_new()  # the turn may have loaded it
             if isinstance(event, TextDelta):
                 self.text_delta.emit(event.text)
             elif isinstance(event, PromptProgress):
                 self.prompt_progress.emit(event.done, event.total)
-            elif isinstance(event, RestoreInfo):
+            elif isinstance(event, RestoreInfo):  # a turn's first event: its model is in
+                self._announce_if_new()  # (the turn may have loaded it)
                 self.restored.emit(event)
             elif isinstance(event, ReplyFinished):
                 self.finished.emit(event)

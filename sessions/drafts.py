@@ -10,10 +10,9 @@ never an error: losing a draft must not keep the app from starting.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 from pathlib import Path
+
+from sessions.jsonfile import read_object, write_atomically
 
 FILE_NAME = "drafts.json"
 # Characters kept per draft: far more than any model's context, and a pasted file
@@ -55,23 +54,9 @@ class Drafts:
         self._write(on_disk)
 
     def _write(self, texts: dict[int, str]) -> None:
-        """Atomically: a crash mid-write leaves the previous file, never half of one. A
-        write that fails (a full disk, a read-only folder) keeps the drafts in memory."""
-        # ASCII JSON: any str goes, a lone surrogate from a paste too.
-        write_atomically(self.path, json.dumps({str(i): text for i, text in texts.items()}))
-
-
-def write_atomically(path: Path, ascii_text: str) -> None:
-    """`path` holds `ascii_text`, or what it held before: a crash mid-write leaves the
-    previous file, never half of one. A write that fails is let go (the window's own
-    files: their state stays in memory)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(ascii_text, encoding="ascii")
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        """Atomically; a write that fails (a full disk, a read-only folder) keeps the
+        drafts in memory."""
+        write_atomically(self.path, {str(i): text for i, text in texts.items()})
 
 
 def _set(texts: dict[int, str], conversation_id: int, text: str) -> None:
@@ -87,14 +72,8 @@ _ID_DIGITS = 19
 
 def _read(path: Path) -> dict[int, str]:
     """The drafts in `path`; entries of the wrong shape are skipped, a damaged file is none."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
     texts = {}
-    for key, text in data.items():
+    for key, text in read_object(path).items():
         if not (key.isascii() and key.isdigit() and len(key) <= _ID_DIGITS):
             continue
         if isinstance(text, str) and text.strip():

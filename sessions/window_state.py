@@ -7,10 +7,9 @@ window opens at its default size.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from sessions.drafts import write_atomically
+from sessions.jsonfile import read_object, write_atomically
 
 FILE_NAME = "window.json"
 # What Qt writes is well under a kilobyte of base64; a longer value is not ours.
@@ -19,19 +18,13 @@ _MAX_VALUE = 4096
 
 def load(path: Path) -> dict[str, str]:
     """The state in `path`: text values under their names; anything else is skipped."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
     return {
         name: value
-        for name, value in data.items()
+        for name, value in read_object(path).items()
         if isinstance(value, str) and value.isascii() and len(value) <= _MAX_VALUE
     }
 
 
 def save(path: Path, state: dict[str, str]) -> None:
     """Atomically; a write that fails (a full disk, a read-only folder) is let go."""
-    write_atomically(path, json.dumps(state))
+    write_atomically(path, state)

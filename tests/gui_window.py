@@ -73,6 +73,13 @@ def wait_streaming(qtbot, window, chars: int = 20):
     assert len(reply.content) > chars, f"the reply ended: {last.role} {last.state} {last.content!r}"
 
 
+def boxes_said(monkeypatch) -> list[str]:
+    """What the window's warning boxes said, each answered at once (they are modal)."""
+    said: list[str] = []
+    monkeypatch.setattr(QMessageBox, "warning", lambda parent, title, text: said.append(text))
+    return said
+
+
 def when_a_box_opens(act, title: str | None = None, kind: type | None = None) -> None:
     """Once a modal box (titled `title`, of class `kind`, if given) is up and ready,
     `act(box)`. Another box is left alone: conftest's watchdog closes it and fails

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from conftest import STARTER_NAME
-from gui_window import READY_MS, prefer, wait_reply, when_a_box_opens
+from gui_window import READY_MS, boxes_said, prefer, wait_reply, when_a_box_opens
 from PySide6.QtCore import Qt
 
 from app.ui.main_window import MainWindow
@@ -78,14 +78,11 @@ def test_with_no_model_the_window_says_where_to_add_one_and_loses_nothing(
     window's own way (File → Models…, not a terminal command) with no box to dismiss; a
     message sent meanwhile stays in the box, no reply waiting under it; once the Models
     dialog has added a model, it loads, and the message is answered."""
-    from PySide6.QtWidgets import QMessageBox
-
     from app.ui.menus import open_models
     from app.ui.models_dialog import ModelsDialog
     from sessions import paths
 
-    warned = []
-    monkeypatch.setattr(QMessageBox, "warning", lambda parent, title, text: warned.append(text))
+    warned = boxes_said(monkeypatch)
     window = MainWindow()
     qtbot.addWidget(window)
     window.show()
@@ -199,15 +196,6 @@ def test_a_model_that_fails_to_load_leaves_the_one_before_free_to_go(qtbot, libr
         assert before() is None
     finally:
         engine.shutdown()
-
-
-def boxes_said(monkeypatch) -> list[str]:
-    """What the window's warning boxes said (each answered at once)."""
-    from PySide6.QtWidgets import QMessageBox
-
-    said: list[str] = []
-    monkeypatch.setattr(QMessageBox, "warning", lambda parent, title, text: said.append(text))
-    return said
 
 
 def test_while_the_model_loads_a_second_message_waits_and_stop_is_heard(

@@ -170,6 +170,21 @@ def cache_files(engine: ConversationEngine, conversation_id: int) -> list[Path]:
     return [path_from_url(engine.index.chunk(k)["url"]) for k in entry.all_keys]
 
 
+def saved_chat(loaded: loading.LoadedModel, tokens: int) -> tuple:
+    """For the restore probes (docs/probes/): a chat of about `tokens` tokens, saved; its
+    index entry, its files, and the store of a second engine to restore it with (as
+    after a restart: the first engine lets its cache's memory go)."""
+    builder = ConversationEngine(open_db(), loaded)
+    conversation = builder.store.create(loaded.name)
+    build_history(builder, conversation.id, tokens)
+    run_turn(builder, conversation.id, "Summarise this.")
+    entry = builder.index.conversation(conversation.id)
+    files = cache_files(builder, conversation.id)
+    store = ConversationEngine(open_db(), loaded).kvstore
+    builder.session.reset()
+    return entry, files, store
+
+
 def evict(files: list[Path]) -> bool:
     """Drop `files`' pages from the OS's page cache, so that the next read comes from the
     disk; False where the OS offers no way (posix_fadvise is Linux's)."""

@@ -395,7 +395,7 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def on_finished(self, reply: ReplyFinished) -> None:
-        self.turns.pending = None  # answered: its text is the chat's
+        self.turns.answered()
         if self.conversation_id == reply.conversation_id:
             self.chat.update_messages(rendered_messages(self.store, self.conversation_id))
             self._show_header()  # the turn made the model it ran with the chat's

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, Slot
-from PySide6.QtGui import QTextCursor
 
 from app.ui.render import RenderedMessage
 from app.worker import NEW_CONVERSATION, NO_MODELS
@@ -39,8 +38,7 @@ class TurnFlow(QObject):
     def send(self, text: str) -> None:
         w = self.window
         if not w.models.names():  # an empty library: nothing could answer
-            w.composer.edit.setPlainText(text)
-            w.composer.edit.moveCursor(QTextCursor.MoveOperation.End)
+            w.composer.show_draft(text)
             w.status.say(NO_MODELS)
             return
         if w.meter.known_not_to_fit(w.conversation_id, text):
@@ -132,8 +130,11 @@ class TurnFlow(QObject):
             w.composer.edit.setPlainText(pending.text)
             return
         typed = w.composer.edit.toPlainText()
-        w.composer.edit.setPlainText(f"{pending.text}\n\n{typed}" if typed else pending.text)
-        w.composer.edit.moveCursor(QTextCursor.MoveOperation.End)
+        w.composer.show_draft(f"{pending.text}\n\n{typed}" if typed else pending.text)
+
+    def answered(self) -> None:
+        """The turn under way finished: its text is the chat's."""
+        self.pending = None
 
     def _count(self, text: str, before: int | None = None) -> None:
         """Count what the turn sends, before it is sent (the worker answers in order):

@@ -76,13 +76,12 @@ class CutLabel(QLabel):
 
     def __init__(self) -> None:
         super().__init__("")
-        self.setMinimumWidth(1)  # it gives way to the figures, not they to it
 
     def setText(self, text: str) -> None:
         super().setText(text)
         self.setToolTip(text)
 
-    def minimumSizeHint(self) -> QSize:
+    def minimumSizeHint(self) -> QSize:  # it gives way to the figures, not they to it
         return QSize(1, super().minimumSizeHint().height())
 
     def sizeHint(self) -> QSize:

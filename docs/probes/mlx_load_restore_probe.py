@@ -21,13 +21,11 @@ folder = tempfile.mkdtemp()
 for name in ("DATA", "CACHE", "CONFIG"):
     os.environ[f"REPRISE_{name}_DIR"] = os.path.join(folder, name.lower())
 
-from app.bench.reopen import build_history, cache_files, run_turn  # noqa: E402
+from app.bench.reopen import saved_chat  # noqa: E402
 from app.engine import loading  # noqa: E402  (app.engine first: OpenBLAS)
 from app.engine.cache_keys import tokens_hash  # noqa: E402
 from app.engine.codecs import ChunkManifest  # noqa: E402
-from app.engine.conversation import ConversationEngine  # noqa: E402
 from sessions.chunkio import read_file  # noqa: E402
-from sessions.db import open_db  # noqa: E402
 
 mx = loading.mx  # mlx as the app loaded it, after OpenBLAS
 
@@ -60,14 +58,7 @@ def main() -> None:
     loaded = loading.load(sys.argv[1])
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 15
-    builder = ConversationEngine(open_db(), loaded)
-    conversation = builder.store.create(loaded.name)
-    build_history(builder, conversation.id, tokens)
-    run_turn(builder, conversation.id, "Summarise this.")
-    entry = builder.index.conversation(conversation.id)
-    files = cache_files(builder, conversation.id)
-    store = ConversationEngine(open_db(), loaded).kvstore
-    builder.session.reset()
+    entry, files, store = saved_chat(loaded, tokens)
     layers = len(loaded.cache_layer_shapes)
     expected = [
         ChunkManifest(

@@ -22,11 +22,9 @@ folder = tempfile.mkdtemp()
 for name in ("DATA", "CACHE", "CONFIG"):
     os.environ[f"REPRISE_{name}_DIR"] = os.path.join(folder, name.lower())
 
-from app.bench.reopen import build_history, cache_files, run_turn  # noqa: E402
+from app.bench.reopen import saved_chat  # noqa: E402
 from app.engine import chunkjoin, kvstore, loading  # noqa: E402  (app.engine first: OpenBLAS)
-from app.engine.conversation import ConversationEngine  # noqa: E402
 from sessions import cachefiles, chunkio  # noqa: E402
-from sessions.db import open_db  # noqa: E402
 
 # (owner, function, label): what each stage is
 STAGES = [
@@ -60,15 +58,8 @@ def main() -> None:
     loaded = loading.load(sys.argv[1])
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 15
-    builder = ConversationEngine(open_db(), loaded)
-    conversation = builder.store.create(loaded.name)
-    build_history(builder, conversation.id, tokens)
-    run_turn(builder, conversation.id, "Summarise this.")
-    entry = builder.index.conversation(conversation.id)
-    files = cache_files(builder, conversation.id)
+    entry, files, store = saved_chat(loaded, tokens)
     size = sum(f.stat().st_size for f in files)
-    store = ConversationEngine(open_db(), loaded).kvstore
-    builder.session.reset()  # as after a restart: the cache's memory is free again
 
     seconds: dict[str, float] = defaultdict(float)
     for owner, name, label in STAGES:
