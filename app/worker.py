@@ -62,7 +62,7 @@ class EngineWorker(QObject):
     busy_changed = Signal(bool)
     import_progress = Signal(str, int, int)  # stage, done, total
     download_progress = Signal(int, int, str)  # bytes done, bytes in all, file
-    model_added = Signal(str)  # the new model's name; "" when an import or download failed
+    model_added = Signal(str, str)  # the new model's name, or "" and what the user was told
     prefetched = Signal(int, object)  # conversation, RestoreInfo: its cache is in memory
     models_found = Signal(object)  # found.Discovery: what other tools keep on this computer
     exported = Signal(str)  # the file a chat was exported to
@@ -102,18 +102,23 @@ class EngineWorker(QObject):
         self._selected = conversation_id
 
     def _attempt(self, what: str, task: Callable[[], object]) -> bool:
-        """Run `task`; a user error is reported as it is, a bug with its log entry."""
+        """Run `task`; whether it succeeded (a failure is reported: `_failure`)."""
+        return self._failure(what, task) is None
+
+    def _failure(self, what: str, task: Callable[[], object]) -> str | None:
+        """Run `task`; None, or what the user is told of its failure: a user error as it
+        is, a bug with its log entry."""
         try:
             task()
-            return True
+            return None
         except UserError as exc:
-            self.failed.emit(in_the_windows_words(exc))
+            message = in_the_windows_words(exc)
         except Exception:
             log.exception("%s failed", what)
-            self.failed.emit(
-                f"{what} failed because of a bug; the log has the details:\n{paths.log_file()}"
-            )
-        return False
+            log_file = paths.log_file()
+            message = f"{what} failed because of a bug; the log has the details:\n{log_file}"
+        self.failed.emit(message)
+        return message
 
     # -- the model ----------------------------------------------------------------
 
@@ -193,13 +198,15 @@ class EngineWorker(QObject):
             self.models_found.emit(None)
 
     def _add_model(self, task: Callable[[], Path]) -> None:
-        """Run an import or download; `model_added` names the new model, or is empty."""
+        """Run an import or download; `model_added` names the new model, or says why
+        there is none (the dialog that asked shows it)."""
         self.busy_changed.emit(True)
         added: list[str] = []
+        why: str | None = "Nothing was added"  # if an exception gets past `_failure`
         try:
-            self._attempt("Adding the model", lambda: added.append(task().name))
+            why = self._failure("Adding the model", lambda: added.append(task().name))
         finally:
-            self.model_added.emit(added[0] if added else "")
+            self.model_added.emit(added[0] if added else "", "" if added else why or "")
             self.busy_changed.emit(False)
 
     # -- turns -------------------------------------------------------------------------

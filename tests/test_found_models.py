@@ -108,6 +108,29 @@ def test_a_found_gguf_imports_and_an_mlx_folder_is_used_in_place(places, tmp_pat
     assert imported.path.is_dir()
 
 
+def installed_as(places: found.Locations, library: Path) -> dict[str, str]:
+    discovery = found.discover(places, models.list_models(library))
+    return {f.label: f.installed_as for f in discovery.found}
+
+
+def test_a_gguf_imported_under_another_name_is_marked_installed(places, tmp_path):
+    """First start imports LM Studio's starter file as "SmolLM2-135M-Instruct", not as
+    the file's name: the found list knows the file by what was imported from it."""
+    library = tmp_path / "library"
+    label = "lmstudio-community/Tiny-GGUF/Tiny-Q8_0.gguf"
+    gguf = found.find(label, found.discover(places))
+    import_gguf(gguf.path, library, "My tiny")
+
+    again = installed_as(places, library)
+    assert again[label] == "My tiny"
+    assert again["tiny:latest"] == ""  # another file: not installed
+
+    # Another file of the same name (a new download of that quantization) is not that model.
+    with gguf.path.open("ab") as f:
+        f.write(b"\0" * 64)
+    assert installed_as(places, library)[label] == ""
+
+
 def test_deleting_a_model_used_in_place_keeps_the_cache_s_files(places, tmp_path):
     library = tmp_path / "library"
     hub = found.find("mlx-community/tiny-4bit", found.discover(places))

@@ -6,8 +6,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from gui_window import when_a_box_opens
 from hub_server import FakeHub
 from PySide6.QtCore import QObject, Signal
+from PySide6.QtWidgets import QLineEdit
 from tool_folders import hf_tree, ollama_tree
 
 import tiny
@@ -57,7 +59,8 @@ def test_cancel_stops_the_download_and_keeps_nothing(qtbot, dialog, repo, monkey
         dialog.start_download("mlx-community/tiny")
         qtbot.waitUntil(lambda: "MB" in dialog.message.text(), timeout=60_000)
         dialog.cancel_button.click()
-        qtbot.waitUntil(lambda: dialog.message.text() == "Nothing was added", timeout=60_000)
+        said = "The download was cancelled; nothing was kept."
+        qtbot.waitUntil(lambda: dialog.message.text() == said, timeout=60_000)
     assert names() == []
     assert list(paths.models_dir().iterdir()) == []
 
@@ -69,26 +72,45 @@ def test_import_gguf_through_the_dialog(qtbot, dialog, tmp_path):
     assert names() == ["imported-tiny"]
 
 
+def test_a_failed_import_says_why_in_the_dialog(qtbot, dialog, tmp_path):
+    """Found on a new-user walk: the dialog said "Nothing was added" and the reason went
+    to the window's status bar, behind the dialog."""
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(b"GGUF" + bytes(60))
+    dialog.start_import(str(damaged), "damaged")
+    qtbot.waitUntil(lambda: dialog.progress.isHidden(), timeout=60_000)
+    said = dialog.message.text()
+    assert said and said != "Importing damaged.gguf…" and "damaged.gguf" in said, said
+    assert names() == []
+
+
 @pytest.mark.parametrize(
     ("file", "offered"),
     [
         ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),  # first start's name
-        ("Tiny-Q4_0.gguf", "Tiny-Q4_0"),  # another quantization would be "Tiny" too
+        # Any other: the file's name, its quantization tag kept (two are two models).
+        ("Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf", "Meta-Llama-3.1-8B-Instruct-Q4_K_M"),
     ],
 )
 def test_import_gguf_offers_the_name_first_start_gives(qtbot, dialog, monkeypatch, file, offered):
     """Found on a new-user walk: the dialog offered "…Instruct.Q4_1" for the starter
-    file, which first start imports as "…Instruct". The file dialog and the name box are
-    the desktop's; they answer here as a user would, the name box with what it offered."""
+    file, which first start imports as "…Instruct"; and its box showed about 20
+    characters of it. The file dialog is the desktop's: it answers here as a user would."""
     from PySide6.QtWidgets import QFileDialog, QInputDialog
 
-    asked = []
     monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a: (f"/somewhere/{file}", ""))
-    monkeypatch.setattr(
-        QInputDialog, "getText", lambda *a, text: asked.append(text) or (text, False)
-    )
+    asked = []
+
+    def read_and_cancel(box):
+        line = box.findChild(QLineEdit)
+        whole = line.width() > line.fontMetrics().horizontalAdvance(offered)
+        asked.append((box.textValue(), whole))
+        box.reject()
+
+    when_a_box_opens(read_and_cancel, title="Import GGUF", kind=QInputDialog)
     dialog.choose_gguf()
-    assert asked == [offered]
+    assert asked == [(offered, True)]  # offered, and shown whole
+    assert dialog.progress.isHidden()  # cancelled: nothing imported
 
 
 def test_the_model_in_use_is_marked_and_not_deleted(qtbot, tiny_model_dir, monkeypatch):

@@ -9,6 +9,7 @@ import sys
 from conftest import STARTER_NAME
 from gui_window import READY_MS, boxes_said, prefer, wait_reply, when_a_box_opens
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QMessageBox
 
 from app.ui.main_window import MainWindow
 
@@ -247,3 +248,34 @@ def test_two_quick_picks_never_say_ready_with_no_model(
     window.composer.edit.setPlainText("a draft, counted after a pause")
     qtbot.wait(1500)
     assert len(said) == 1
+
+
+def test_a_message_sent_while_a_broken_model_loads_gets_one_box_and_is_kept(
+    qtbot, open_window, monkeypatch, starter_model_dir
+):
+    """New-user walk: a message sent while a model that cannot load was loading showed
+    two boxes, the load's and then the turn's, saying the same."""
+    import shutil
+
+    from sessions import paths
+
+    said = []
+
+    def read_for_a_second(parent, title, text):  # modal, as a real box: events go on
+        said.append(text)
+        qtbot.wait(1000)
+
+    monkeypatch.setattr(QMessageBox, "warning", read_for_a_second)
+    broken = paths.models_dir() / "broken"
+    broken.mkdir()
+    shutil.copy(starter_model_dir / "config.json", broken / "config.json")
+    window = open_window()
+    window.refresh_models()
+    window.on_model_picked("broken")
+    window.composer.edit.setPlainText("Name a colour.")
+    window.composer.edit.submitted.emit()
+    answered = lambda: bool(said) and window.composer.button.text() == "Send"  # noqa: E731
+    qtbot.waitUntil(answered, timeout=READY_MS)
+    qtbot.wait(1500)  # whatever else the worker says has come
+    assert len(said) == 1, said
+    assert window.composer.edit.toPlainText() == "Name a colour."

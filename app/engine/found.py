@@ -352,15 +352,30 @@ def _snapshot(repo: Path) -> Path | None:
 
 
 def _mark_installed(found: list[FoundModel], installed: list[ModelInfo]) -> list[FoundModel]:
-    """A found model the library has already: a link to its folder, or its name taken."""
+    """A found model the library has already: a link to its folder, a GGUF file it was
+    imported from (the same file name and size, whatever name the import took: first
+    start names LM Studio's starter file after the model), or its name taken."""
     by_folder = {str(m.in_place): m.name for m in installed if m.in_place}
     names = {m.name for m in installed}
     marked = []
     for item in found:
-        key = str(item.path.resolve()) if item.kind == MLX else ""
-        name = by_folder.get(key) or (item.name if item.name in names else "")
+        if item.kind == MLX:
+            name = by_folder.get(str(item.path.resolve()), "")
+        else:
+            name = _imported_as(item, installed)
+        name = name or (item.name if item.name in names else "")
         marked.append(replace(item, installed_as=name) if name else item)
     return marked
+
+
+def _imported_as(item: FoundModel, installed: list[ModelInfo]) -> str:
+    for model in installed:
+        if model.gguf is None:
+            continue
+        file_name, size = model.gguf
+        if file_name == item.path.name and size in (None, item.size_bytes):
+            return model.name
+    return ""
 
 
 def find(name: str, discovery: Discovery) -> FoundModel | None:

@@ -112,6 +112,7 @@ def import_gguf(
         config["reprise"] = {
             "source": "gguf",
             "gguf_file": gguf_path.name,
+            "gguf_bytes": layout.file_size,
             "gguf_sha256": _sha256(gguf_path),
             "weights": stored,  # the library's weights line (it adds the size itself)
         }

@@ -49,11 +49,13 @@ class ModelInfo:
     source: str
     context_length: int | None = None
     in_place: Path | None = None  # the folder a linked model is used from
+    gguf: tuple[str, int | None] | None = None  # the GGUF imported: its file's name and size
 
     def to_dict(self) -> dict:
         data = asdict(self)
         data["path"] = str(self.path)
         data["in_place"] = str(self.in_place) if self.in_place else None
+        data["gguf"] = list(self.gguf) if self.gguf else None
         return data
 
     @property
@@ -122,7 +124,17 @@ def read_info(path: Path) -> ModelInfo | None:
         source="in place" if linked else str(reprise.get("source", "mlx")),
         context_length=_context_length(config),
         in_place=linked,
+        gguf=_imported_from(reprise),
     )
+
+
+def _imported_from(reprise: dict) -> tuple[str, int | None] | None:
+    """The GGUF file an import was made from: its name, and its size where the import
+    kept it (those before 7 December 2026 did not)."""
+    name, size = reprise.get("gguf_file"), reprise.get("gguf_bytes")
+    if not isinstance(name, str) or not name:
+        return None
+    return name, size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def list_models(models_dir: Path) -> list[ModelInfo]:

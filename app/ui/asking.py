@@ -19,21 +19,32 @@ from PySide6.QtWidgets import (
 
 from app.ui.reading import export_name
 
-# Characters of a title the Rename box shows at once (Qt's default showed about 20).
-TITLE_CHARACTERS = 50
+# Characters a one-line box shows at once (Qt's default showed about 20).
+LINE_CHARACTERS = 50
 
 
 def new_title(parent: QWidget, current: str) -> str | None:
     """A new title for a chat; None when cancelled or blank."""
+    return one_line(parent, "Rename", "Title:", current)
+
+
+def model_name(parent: QWidget, offered: str) -> str | None:
+    """The name a model is imported under; None when cancelled or blank."""
+    return one_line(parent, "Import GGUF", "Model name:", offered)
+
+
+def one_line(parent: QWidget, title: str, label: str, text: str) -> str | None:
+    """A line the user types, starting from `text`, in a box wide enough to read a
+    title or a model's name whole; None when cancelled or blank."""
     dialog = QInputDialog(parent)
-    dialog.setWindowTitle("Rename")
-    dialog.setLabelText("Title:")
-    dialog.setTextValue(current)
-    dialog.resize(dialog.fontMetrics().averageCharWidth() * TITLE_CHARACTERS, 0)
+    dialog.setWindowTitle(title)
+    dialog.setLabelText(label)
+    dialog.setTextValue(text)
+    dialog.resize(dialog.fontMetrics().averageCharWidth() * LINE_CHARACTERS, 0)
     if not dialog.exec():
         return None
-    title = dialog.textValue()
-    return title if title.strip() else None
+    answer = dialog.textValue()
+    return answer if answer.strip() else None
 
 
 def confirm_delete(parent: QWidget, title: str) -> bool:

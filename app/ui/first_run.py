@@ -95,7 +95,6 @@ class FirstRunDialog(QDialog):
         self.import_requested.connect(worker.import_gguf)
         worker.import_progress.connect(self.on_progress)
         worker.model_added.connect(self.on_added)
-        worker.failed.connect(self.on_failed)
 
     @Slot()
     def import_starter(self) -> None:
@@ -125,16 +124,13 @@ class FirstRunDialog(QDialog):
         self.progress.setValue(done)
         self.message.setText(stage)
 
-    @Slot(str)
-    def on_failed(self, message: str) -> None:
-        self.message.setText(message)
-
-    @Slot(str)
-    def on_added(self, name: str) -> None:
+    @Slot(str, str)
+    def on_added(self, name: str, why: str) -> None:
         self.added = name
         if name:
             self.accept()
             return
+        self.message.setText(why)
         self.progress.hide()
         self.choose_button.setEnabled(True)
         self.later_button.setEnabled(True)

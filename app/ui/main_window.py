@@ -80,6 +80,7 @@ class MainWindow(QMainWindow):
         self.conversation_id: int | None = None
         self._asked: Preferences | None = None  # asked to be saved, not saved yet
         self.generating = False
+        self._boxes_up: set[str] = set()  # the failures a box on screen says
 
         self.sidebar = Sidebar()
         self.header = ChatHeader()
@@ -425,9 +426,17 @@ class MainWindow(QMainWindow):
 
     @Slot(str)
     def on_failed(self, message: str) -> None:
+        """The failure in the status bar and in a box; not in a second box over one that
+        says the same (a message sent while a broken model loads fails as the load did)."""
         self.status.on_failed(message)
         self.models.show_failed()
-        QMessageBox.warning(self, "Reprise", message)
+        if message in self._boxes_up:
+            return
+        self._boxes_up.add(message)
+        try:
+            QMessageBox.warning(self, "Reprise", message)
+        finally:
+            self._boxes_up.discard(message)
 
     @Slot()
     def on_turn_failed(self) -> None:

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.engine import models
+from app.ui import asking
 from app.ui.first_run import suggested_name
 from app.ui.found_list import FoundList
 from sessions import paths
@@ -45,6 +46,7 @@ class ModelsDialog(QDialog):
         self.progress = QProgressBar()
         self.progress.hide()
         self.message = QLabel("")
+        self.message.setWordWrap(True)  # why an import failed can be a sentence or two
         import_button = QPushButton("Import GGUF…")
         download_button = QPushButton("Download from Hugging Face…")
         self.cancel_button = QPushButton("Cancel download")
@@ -106,11 +108,9 @@ class ModelsDialog(QDialog):
         )
         if not path:
             return
-        name, ok = QInputDialog.getText(
-            self, "Import GGUF", "Model name:", text=suggested_name(Path(path))
-        )
-        if ok:
-            self.start_import(path, name)
+        name = asking.model_name(self, suggested_name(Path(path)))
+        if name is not None:
+            self.start_import(path, name.strip())
 
     def start_import(self, path: str, name: str) -> None:
         self.progress.setRange(0, 4)
@@ -151,10 +151,12 @@ class ModelsDialog(QDialog):
         self.progress.setValue(done)
         self.message.setText(stage)
 
-    def on_done(self, name: str) -> None:
+    def on_done(self, name: str, why: str) -> None:
+        """An import, download or link ended: what was added, or why nothing was, here
+        where it was asked for (the window's status bar is behind the dialog)."""
         self.progress.hide()
         self.cancel_button.hide()
-        self.message.setText(f"Added {name}" if name else "Nothing was added")
+        self.message.setText(f"Added {name}" if name else why)
         self.refresh()
         if name:  # what was just added is marked as installed in the found list
             self.found.looking()

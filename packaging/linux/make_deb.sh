@@ -11,6 +11,8 @@ cp -a "$APPDIR" "$ROOTFS/opt/reprise"
 ln -s /opt/reprise/AppRun "$ROOTFS/usr/bin/reprise"
 cp -a "$APPDIR/usr/share/applications" "$APPDIR/usr/share/icons" "$ROOTFS/usr/share/"
 SIZE_KB=$(du -sk "$ROOTFS" | cut -f1)
+# Recommends: replies hold emoji, which Qt draws as empty boxes without a colour emoji font
+# (a minimal Debian or Ubuntu has none; a new-user walk saw the boxes).
 cat > "$ROOTFS/DEBIAN/control" <<CONTROL
 Package: reprise
 Version: $VERSION
@@ -18,6 +20,7 @@ Architecture: $ARCH
 Maintainer: Reprise developers <reprise@reprise.app>
 Installed-Size: $SIZE_KB
 Depends: libegl1, libgl1, libfontconfig1, libdbus-1-3, libxkbcommon0, libxkbcommon-x11-0, libxcb-cursor0, libxcb-icccm4, libxcb-keysyms1, libxcb-shape0, libxcb-render-util0, libxcb-image0
+Recommends: fonts-noto-color-emoji
 Section: utils
 Priority: optional
 Homepage: https://reprise.app

@@ -13,6 +13,8 @@ trap 'rm -rf "$WORK"' EXIT
 DEB=$(ls "$DIST"/reprise_*.deb 2>/dev/null | tail -n 1 || true)
 if [ -n "$DEB" ]; then
   dpkg-deb -x "$DEB" "$WORK/root"   # unpacked, not installed: the machine is left alone
+  dpkg-deb -f "$DEB" Recommends | grep -q fonts-noto-color-emoji || {
+    echo "package-test: the .deb does not recommend an emoji font"; exit 1; }
   LAUNCHER="$WORK/root/opt/reprise/AppRun"
 else
   LAUNCHER="$DIST/Reprise.AppDir/AppRun"
