@@ -78,7 +78,17 @@ def kv_root() -> Path:
 
 def path_from_url(url: object, root: Path | None = None) -> Path:
     """The file a stored URL names, refused unless it is a file:// URL inside the cache root."""
-    root = (root or kv_root()).resolve()
+    return paths_from_urls([url], root)[0]
+
+
+def paths_from_urls(urls: list, root: Path | None = None) -> list[Path]:
+    """`path_from_url` for each of `urls`, the root resolved once (a restore checks a
+    file per 256 tokens)."""
+    resolved = (root or kv_root()).resolve()
+    return [_inside(url, resolved) for url in urls]
+
+
+def _inside(url: object, root: Path) -> Path:
     if not isinstance(url, str):
         raise CacheRejected("the stored URL is not text")
     shown = url[:120]

@@ -94,6 +94,21 @@ def test_a_prefetched_cache_answers_from_memory_with_the_reply_of_a_fresh_comput
     assert finished.text == fresh_reply(tiny_model, engine, saved_conversation, known=saved_tokens)
 
 
+def test_a_chat_opened_since_outlives_one_saved_later_at_eviction(tiny_model):
+    """Opening a chat (the prefetch a selection starts) counts as using its files; a
+    turn's restore leaves the stamp to the turn's save, after the reply."""
+    engine = new_engine(tiny_model)
+    opened = engine.store.create(tiny_model.name)
+    turn(engine, opened.id, "a chat saved first, then opened again")
+    left = engine.store.create(tiny_model.name)
+    turn(engine, left.id, "a chat saved after it and not opened since")
+    new_engine(tiny_model).prefetch(opened.id, OPTIONS.kv)
+    index = CacheIndex(open_db())
+    index.evict_to_budget(index.usage()[1] - 1)  # room for all but one file
+    assert index.conversation(opened.id).chunk_keys == [r["key"] for r in chunk_rows(opened.id)]
+    assert None in chunk_rows(left.id)
+
+
 def test_prefetch_of_a_chat_with_nothing_saved_says_so_and_the_turn_still_answers(tiny_model):
     engine = new_engine(tiny_model)
     conversation = engine.store.create(tiny_model.name)

@@ -276,7 +276,6 @@ def restore(store: KVStore, entry: ConversationCache, usable: int) -> tuple[list
     if in_chunks:
         size += _put_chunked_layers(store, entry, end, cache, in_chunks)
     mx.eval([layer.state for layer in cache])
-    store.index.touch([*entry.chunk_keys, *reader.keys])  # one stamp, as a save's
     return cache, end, size, number
 
 

@@ -327,7 +327,12 @@ class ConversationEngine:
         if refused is not None:
             return refused
         usable = self.prompt_checkpoints.next_turn_start(entry) or len(entry.tokens)
-        return self._restore(entry, usable, (None, None))
+        restored = self._restore(entry, usable, (None, None))
+        if restored.source == "disk":
+            # Used: eviction keeps it over chats not opened since (a turn's save stamps
+            # its files too, after the reply; `KVStore.restore` leaves them unstamped).
+            self.index.touch(entry.all_keys)
+        return restored
 
     def _drop_and_check(
         self, conversation_id: int, entry: ConversationCache | None, kv: KVSettings

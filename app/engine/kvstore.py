@@ -52,7 +52,7 @@ from sessions.cachefiles import (
     CacheIndex,
     CacheRejected,
     ConversationCache,
-    path_from_url,
+    paths_from_urls,
     read_ahead,
     read_file,
     write_file,
@@ -300,7 +300,10 @@ class KVStore:
         return sum(row["bytes"] for _, start, _, row in chunks if start < usable)
 
     def restore(self, entry: ConversationCache, usable: int) -> RestoreResult:
-        """Rebuild the cache of the first `usable` saved tokens (see steps.reusable_prefix)."""
+        """Rebuild the cache of the first `usable` saved tokens (see steps.reusable_prefix).
+        The files read are not stamped as used here: a turn's save stamps every file of
+        the chat after the reply, and a write (an fsync) before the first token would
+        only delay it; a prefetch stamps them itself (`ConversationEngine.prefetch`)."""
         started = time.perf_counter()
         try:
             if entry.model_fingerprint != self.fingerprint:
@@ -330,7 +333,7 @@ class KVStore:
         `usable` tokens, or fewer where a chunk was evicted; (layers, their token
         count, bytes read). Each chunk is checked by its layers' codecs."""
         chunks = [chunk for chunk in self._saved_rows(entry) if chunk[1] < usable]
-        paths = [path_from_url(row["url"], self.index.root) for *_, row in chunks]
+        paths = paths_from_urls([row["url"] for *_, row in chunks], self.index.root)
         expected = []
         for key, start, end, _ in chunks:
             part = tokens_hash(entry.tokens[start:end])
@@ -346,7 +349,6 @@ class KVStore:
                 total, size = end, size + row["bytes"]
         if not total:
             raise CacheRejected("cache files were evicted")
-        self.index.touch([key for key, *_ in chunks])
         return join.build(total - min(usable, total)), min(usable, total), size
 
     def _read_files(self, paths: list, expected: list[dict]) -> Iterator[tuple[dict, dict]]:

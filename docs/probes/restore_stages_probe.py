@@ -29,7 +29,7 @@ from sessions import cachefiles, chunkio  # noqa: E402
 # (owner, function, label): what each stage is
 STAGES = [
     (kvstore.KVStore, "_saved_rows", "index rows"),
-    (kvstore, "path_from_url", "file URLs checked"),
+    (kvstore, "paths_from_urls", "file URLs checked"),
     (kvstore, "read_ahead", "read-ahead hint"),
     (kvstore, "read_file", "read_file"),
     (chunkio, "parse_header", "  parse_header"),
@@ -39,7 +39,7 @@ STAGES = [
     (chunkjoin.ChunkJoin, "_place", "  place (copies)"),
     (chunkjoin, "empty_layers", "    empty_layers (fill)"),
     (chunkjoin.ChunkJoin, "build", "build"),
-    (cachefiles.CacheIndex, "touch", "LRU stamps"),
+    (cachefiles.CacheIndex, "touch", "LRU stamps (none since the thirteenth session)"),
 ]
 
 
