@@ -3,8 +3,10 @@ message typed while the model loads is answered once it is in."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import STARTER_NAME
 from gui_window import READY_MS, boxes_said, prefer, wait_reply, when_a_box_opens
@@ -12,6 +14,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 from app.ui.main_window import MainWindow
+from sessions import paths
 
 # Notes which thread first imports each heavy package, then starts the window as `reprise` does.
 SHOWN_WITHOUT_THE_ENGINE = """
@@ -81,7 +84,6 @@ def test_with_no_model_the_window_says_where_to_add_one_and_loses_nothing(
     dialog has added a model, it loads, and the message is answered."""
     from app.ui.menus import open_models
     from app.ui.models_dialog import ModelsDialog
-    from sessions import paths
 
     warned = boxes_said(monkeypatch)
     window = MainWindow()
@@ -176,7 +178,6 @@ def test_a_model_that_fails_to_load_leaves_the_one_before_free_to_go(qtbot, libr
     from PySide6.QtCore import QObject, Signal
 
     from app.worker import WorkerThread
-    from sessions import paths
 
     class Asks(QObject):
         load = Signal(str)
@@ -223,21 +224,21 @@ def test_while_the_model_loads_a_second_message_waits_and_stop_is_heard(
     assert window.composer.edit.toPlainText() == "And another one."
 
 
+def a_model_without_weights(model_dir: Path, name: str) -> None:
+    """A library model `model_dir`'s config, and nothing else: it fails to load."""
+    (paths.models_dir() / name).mkdir()
+    shutil.copy(model_dir / "config.json", paths.models_dir() / name / "config.json")
+
+
 def test_two_quick_picks_never_say_ready_with_no_model(
     qtbot, open_window, monkeypatch, starter_model_dir
 ):
     """Review: the first pick's answer, arriving while the second (a broken model)
     loaded, said Ready; the failure then left it so, with no model in, and every count
     of the draft tried the broken one again, a box each time."""
-    import shutil
-
-    from sessions import paths
-
     said = boxes_said(monkeypatch)
     (paths.models_dir() / "Other").symlink_to(starter_model_dir)
-    broken = paths.models_dir() / "broken"
-    broken.mkdir()
-    shutil.copy(starter_model_dir / "config.json", broken / "config.json")
+    a_model_without_weights(starter_model_dir, "broken")
     window = open_window()
     window.refresh_models()
     window.on_model_picked("Other")
@@ -255,10 +256,6 @@ def test_a_message_sent_while_a_broken_model_loads_gets_one_box_and_is_kept(
 ):
     """New-user walk: a message sent while a model that cannot load was loading showed
     two boxes, the load's and then the turn's, saying the same."""
-    import shutil
-
-    from sessions import paths
-
     said = []
 
     def read_for_a_second(parent, title, text):  # modal, as a real box: events go on
@@ -266,9 +263,7 @@ def test_a_message_sent_while_a_broken_model_loads_gets_one_box_and_is_kept(
         qtbot.wait(1000)
 
     monkeypatch.setattr(QMessageBox, "warning", read_for_a_second)
-    broken = paths.models_dir() / "broken"
-    broken.mkdir()
-    shutil.copy(starter_model_dir / "config.json", broken / "config.json")
+    a_model_without_weights(starter_model_dir, "broken")
     window = open_window()
     window.refresh_models()
     window.on_model_picked("broken")
