@@ -19,6 +19,7 @@ from app.engine import stored_arrays
 from app.engine.cache_keys import describe_cache
 from app.engine.chat import ChatSession
 from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinished, TurnOptions
+from app.engine.export import export_cache
 from app.engine.generation import KVSettings, SamplingSettings
 from app.service.preferences import KV_CHOICES
 from sessions.cachefiles import CacheIndex, path_from_url, read_file, write_file
@@ -94,18 +95,47 @@ def test_a_prefetched_cache_answers_from_memory_with_the_reply_of_a_fresh_comput
     assert finished.text == fresh_reply(tiny_model, engine, saved_conversation, known=saved_tokens)
 
 
-def test_a_chat_opened_since_outlives_one_saved_later_at_eviction(tiny_model):
-    """Opening a chat (the prefetch a selection starts) counts as using its files; a
-    turn's restore leaves the stamp to the turn's save, after the reply."""
+def _prefetch(engine, conversation_id, tmp_path):
+    engine.prefetch(conversation_id, OPTIONS.kv)
+
+
+def _reply_fails(engine, conversation_id, tmp_path):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the model failed")
+        yield
+
+    engine.session.generate = broken
+    with pytest.raises(RuntimeError):
+        turn(engine, conversation_id, "one more question")
+
+
+def _save_fails(engine, conversation_id, tmp_path):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    engine.kvstore.save = full
+    _, saved = turn(engine, conversation_id, "one more question")
+    assert saved.error
+
+
+def _export(engine, conversation_id, tmp_path):
+    export_cache(engine.kvstore, conversation_id, tmp_path / "chat", "tiny")
+
+
+@pytest.mark.parametrize("use", [_prefetch, _reply_fails, _save_fails, _export])
+def test_a_chat_used_since_outlives_one_saved_later_at_eviction(tiny_model, tmp_path, use):
+    """Opening a chat (the prefetch a selection starts), a turn on it that failed or
+    could not save, an export: each counts as using its files. A turn's restore leaves
+    the stamp until after the reply (review, 7 December: these paths had lost it)."""
     engine = new_engine(tiny_model)
-    opened = engine.store.create(tiny_model.name)
-    turn(engine, opened.id, "a chat saved first, then opened again")
+    used = engine.store.create(tiny_model.name)
+    turn(engine, used.id, "a chat saved first, then used again")
     left = engine.store.create(tiny_model.name)
     turn(engine, left.id, "a chat saved after it and not opened since")
-    new_engine(tiny_model).prefetch(opened.id, OPTIONS.kv)
+    use(new_engine(tiny_model), used.id, tmp_path)
     index = CacheIndex(open_db())
     index.evict_to_budget(index.usage()[1] - 1)  # room for all but one file
-    assert index.conversation(opened.id).chunk_keys == [r["key"] for r in chunk_rows(opened.id)]
+    assert None not in chunk_rows(used.id)
     assert None in chunk_rows(left.id)
 
 

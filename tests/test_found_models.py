@@ -131,6 +131,22 @@ def test_a_gguf_imported_under_another_name_is_marked_installed(places, tmp_path
     assert installed_as(places, library)[label] == ""
 
 
+@pytest.mark.parametrize("size", ["missing", None, [1, 2], "123", 1.5, True, -1])
+def test_an_import_that_kept_no_usable_size_marks_no_file_installed(places, tmp_path, size):
+    """Review: generic names (`model.gguf`) are shared across publishers, and older
+    imports kept only the name; config.json is anyone's to write."""
+    library = tmp_path / "library"
+    label = "lmstudio-community/Tiny-GGUF/Tiny-Q8_0.gguf"
+    gguf = found.find(label, found.discover(places))
+    imported = import_gguf(gguf.path, library, "My tiny")
+    config = json.loads((imported.path / "config.json").read_text())
+    config["reprise"].pop("gguf_bytes")
+    if size != "missing":
+        config["reprise"]["gguf_bytes"] = size
+    (imported.path / "config.json").write_text(json.dumps(config))
+    assert installed_as(places, library)[label] == ""
+
+
 def test_deleting_a_model_used_in_place_keeps_the_cache_s_files(places, tmp_path):
     library = tmp_path / "library"
     hub = found.find("mlx-community/tiny-4bit", found.discover(places))

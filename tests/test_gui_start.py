@@ -6,8 +6,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from conftest import STARTER_NAME
 from gui_window import READY_MS, boxes_said, prefer, wait_reply, when_a_box_opens
 from PySide6.QtCore import Qt
@@ -251,11 +253,22 @@ def test_two_quick_picks_never_say_ready_with_no_model(
     assert len(said) == 1
 
 
+@pytest.mark.parametrize("load_seconds", [0, 1.5])
 def test_a_message_sent_while_a_broken_model_loads_gets_one_box_and_is_kept(
-    qtbot, open_window, monkeypatch, starter_model_dir
+    qtbot, open_window, monkeypatch, starter_model_dir, load_seconds
 ):
     """New-user walk: a message sent while a model that cannot load was loading showed
-    two boxes, the load's and then the turn's, saying the same."""
+    two boxes, the load's and then the turn's, saying the same; and (review) so it
+    still did where the load takes longer than the box is read."""
+    from app.service.chat import ChatService
+
+    load = ChatService.load_model
+
+    def slow_load(service, name=None):
+        time.sleep(load_seconds)
+        return load(service, name)
+
+    monkeypatch.setattr(ChatService, "load_model", slow_load)
     said = []
 
     def read_for_a_second(parent, title, text):  # modal, as a real box: events go on
@@ -274,3 +287,31 @@ def test_a_message_sent_while_a_broken_model_loads_gets_one_box_and_is_kept(
     qtbot.wait(1500)  # whatever else the worker says has come
     assert len(said) == 1, said
     assert window.composer.edit.toPlainText() == "Name a colour."
+
+
+def test_a_model_whose_import_ends_after_the_dialog_closed_is_listed_and_loaded(
+    qtbot, monkeypatch, tmp_path
+):
+    """Review: the Models dialog, closed while it imported, stayed alive hidden and took
+    the news; the window, with no model, never heard of the one that came."""
+    import tiny
+    from app.ui.menus import open_models
+    from app.ui.models_dialog import ModelsDialog
+
+    warned = boxes_said(monkeypatch)
+    window = MainWindow()
+    qtbot.addWidget(window)
+    window.show()
+    assert not window.models.ready
+    gguf = tiny.write_gguf(tmp_path / "tiny.gguf")
+
+    def import_and_close(dialog):
+        dialog.start_import(str(gguf), "tiny")
+        dialog.accept()
+
+    when_a_box_opens(import_and_close, kind=ModelsDialog)
+    open_models(window)
+    qtbot.waitUntil(lambda: window.models.ready, timeout=READY_MS)
+    assert window.models.names() == ["tiny"] and window.models.current() == "tiny"
+    assert warned == []
+    window.close()

@@ -10,6 +10,8 @@ reply is complete saves the cache's new chunks.
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -60,6 +62,7 @@ class ConversationEngine:
         self.loaded = loaded
         self.budget_bytes = budget_bytes
         self._in_memory: int | None = None  # the conversation whose cache `session` holds
+        self._unstamped: list[str] = []  # files this turn restored from, for its save to stamp
         # Checkpoints before generation prompts, for the chats that need them.
         self.prompt_checkpoints = PromptCheckpoints(self.kvstore, self.session)
 
@@ -246,6 +249,7 @@ class ConversationEngine:
             writer.finish("failed")
             self._in_memory = None
             self.session.reset()
+            self._stamp_restored()
             raise
 
     def _dropped_space(self, prompt: list[int], first_text: str) -> str:
@@ -262,7 +266,9 @@ class ConversationEngine:
                 conversation_id, self.session.tokens, self.session.cache, taken
             )
         except (DiskFull, OSError) as exc:
+            self._stamp_restored()
             return CacheSaved(SaveReport(), error=str(exc))
+        self._unstamped = []  # the save stamped every file of the chat
         if self.budget_bytes is not None:
             entry = self.index.conversation(conversation_id)
             keep = set(entry.all_keys) if entry else set()
@@ -311,7 +317,10 @@ class ConversationEngine:
         estimates = self.planner.estimates(entry, usable)
         if recompute_is_faster(estimates):
             return RestoreInfo(*_NOTHING, *estimates, "recomputing is estimated to be faster")
-        return self._restore(entry, usable, estimates)
+        restored = self._restore(entry, usable, estimates)
+        if restored.source == "disk":
+            self._unstamped = list(entry.all_keys)  # after the reply: see `_stamp_restored`
+        return restored
 
     def prefetch(self, conversation_id: int, kv: KVSettings) -> RestoreInfo:
         """Restore a conversation's whole saved cache now, while the user reads and
@@ -333,6 +342,17 @@ class ConversationEngine:
             # its files too, after the reply; `KVStore.restore` leaves them unstamped).
             self.index.touch(entry.all_keys)
         return restored
+
+    def _stamp_restored(self) -> None:
+        """Stamp as used the files this turn restored from, where its save did not (it
+        failed, or the turn did): eviction goes by use. Not at the restore: a write
+        there (an SQLite commit) would delay the first token, and a turn's save stamps
+        every file of the chat anyway. A database that cannot be written costs only
+        the order of eviction."""
+        keys, self._unstamped = self._unstamped, []
+        if keys:
+            with contextlib.suppress(sqlite3.Error):
+                self.index.touch(keys)
 
     def _drop_and_check(
         self, conversation_id: int, entry: ConversationCache | None, kv: KVSettings

@@ -57,6 +57,7 @@ def export_cache(kvstore: KVStore, conversation_id: int, out: Path, model_name: 
     result = kvstore.restore(entry, len(entry.tokens))
     if result.cache is None:
         raise ExportFailed(f"the saved cache cannot be used: {result.rejected}")
+    kvstore.index.touch(entry.all_keys)  # read: used, for eviction as a turn's restore is
     layers = [as_mlx_lm(layer) for layer in result.cache]
     path = export_path(out)
     metadata = {

@@ -370,10 +370,7 @@ def _mark_installed(found: list[FoundModel], installed: list[ModelInfo]) -> list
 
 def _imported_as(item: FoundModel, installed: list[ModelInfo]) -> str:
     for model in installed:
-        if model.gguf is None:
-            continue
-        file_name, size = model.gguf
-        if file_name == item.path.name and size in (None, item.size_bytes):
+        if model.gguf == (item.path.name, item.size_bytes):
             return model.name
     return ""
 

@@ -301,9 +301,9 @@ class KVStore:
 
     def restore(self, entry: ConversationCache, usable: int) -> RestoreResult:
         """Rebuild the cache of the first `usable` saved tokens (see steps.reusable_prefix).
-        The files read are not stamped as used here: a turn's save stamps every file of
-        the chat after the reply, and a write (an fsync) before the first token would
-        only delay it; a prefetch stamps them itself (`ConversationEngine.prefetch`)."""
+        The files read are not stamped as used here (a write, an fsync, before the first
+        token would delay it): the caller stamps them, a turn after its reply
+        (`ConversationEngine._stamp_restored`, or its save), a prefetch at once."""
         started = time.perf_counter()
         try:
             if entry.model_fingerprint != self.fingerprint:

@@ -49,7 +49,7 @@ class ModelInfo:
     source: str
     context_length: int | None = None
     in_place: Path | None = None  # the folder a linked model is used from
-    gguf: tuple[str, int | None] | None = None  # the GGUF imported: its file's name and size
+    gguf: tuple[str, int] | None = None  # the GGUF imported: its file's name and size
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -128,13 +128,16 @@ def read_info(path: Path) -> ModelInfo | None:
     )
 
 
-def _imported_from(reprise: dict) -> tuple[str, int | None] | None:
-    """The GGUF file an import was made from: its name, and its size where the import
-    kept it (those before 7 December 2026 did not)."""
+def _imported_from(reprise: dict) -> tuple[str, int] | None:
+    """The GGUF file an import was made from: its name and size in bytes. None for an
+    import that did not keep its size (before 7 December 2026): two publishers' files
+    often share a name (`model.gguf`), so a name alone says nothing."""
     name, size = reprise.get("gguf_file"), reprise.get("gguf_bytes")
     if not isinstance(name, str) or not name:
         return None
-    return name, size if isinstance(size, int) and not isinstance(size, bool) else None
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        return None
+    return name, size
 
 
 def list_models(models_dir: Path) -> list[ModelInfo]:

@@ -81,6 +81,7 @@ class MainWindow(QMainWindow):
         self._asked: Preferences | None = None  # asked to be saved, not saved yet
         self.generating = False
         self._boxes_up: set[str] = set()  # the failures a box on screen says
+        self._load_failure = ""  # why the model last asked for did not load, until one does
 
         self.sidebar = Sidebar()
         self.header = ChatHeader()
@@ -203,6 +204,7 @@ class MainWindow(QMainWindow):
         worker.busy_changed.connect(self.on_busy)
         worker.context_counted.connect(self.on_context_counted)
         worker.prefetched.connect(self.on_prefetched)
+        worker.model_added.connect(self.on_model_added)
         self.composer.edit.textChanged.connect(self._count_soon.start)
         self._count_soon.timeout.connect(self.ask_context)
         self.meter.new_chat_requested.connect(self.turns.send_in_new_chat)
@@ -230,6 +232,7 @@ class MainWindow(QMainWindow):
 
     @Slot(str)
     def on_model_picked(self, name: str) -> None:
+        self._load_failure = ""
         self.ask_to_save(replace(self.preferences(), model=name))
         self.models.show_loading(name)
         self.load_model_requested.emit(name)
@@ -250,9 +253,21 @@ class MainWindow(QMainWindow):
         self.load_model_requested.emit(self.models.current())
 
     @Slot(str, str)
+    def on_model_added(self, name: str, _why: str) -> None:
+        """A model came into the library (the Models dialog's import or download, which
+        may end after the dialog is closed): the toolbar lists it, and loads it where
+        the window has none in and none coming."""
+        if not name:
+            return
+        self.refresh_models()
+        if not self.models.ready and self.models.awaited is None:
+            self.load_chosen_model()
+
+    @Slot(str, str)
     def on_model_loaded(self, name: str, compute: str) -> None:
         if not self.models.show_loaded(name, compute):
             return  # an earlier model's: the one picked since is still loading
+        self._load_failure = ""
         self.status.unsay(NO_MODELS)
         self._show_header()
         self.ask_context()
@@ -426,10 +441,17 @@ class MainWindow(QMainWindow):
 
     @Slot(str)
     def on_failed(self, message: str) -> None:
-        """The failure in the status bar and in a box; not in a second box over one that
-        says the same (a message sent while a broken model loads fails as the load did)."""
+        """The failure in the status bar and in a box, one box a failure: a message sent
+        while a model loads is answered by a turn that loads it again, and fails as the
+        load did (that one waits in the status bar); nor a second box over one that
+        says the same."""
+        loading = self.models.awaited is not None and not self.models.ready
         self.status.on_failed(message)
         self.models.show_failed()
+        if loading:
+            self._load_failure = message
+        elif message == self._load_failure:
+            return
         if message in self._boxes_up:
             return
         self._boxes_up.add(message)

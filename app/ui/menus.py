@@ -97,10 +97,14 @@ def open_models(window: MainWindow) -> None:
     from app.ui.models_dialog import ModelsDialog
 
     in_use = window.models.current() if window.models.ready else ""
-    ModelsDialog(window.engine.worker, window, in_use).exec()
+    dialog = ModelsDialog(window.engine.worker, window, in_use)
+    try:
+        dialog.exec()
+    finally:
+        dialog.deleteLater()  # kept, hidden, it would go on answering the worker's signals
     window.refresh_models()
-    if not window.models.ready:  # the library's first model, say: load it
-        window.load_chosen_model()
+    if not window.models.ready and window.models.awaited is None:
+        window.load_chosen_model()  # the library's first model, say (or one added since)
 
 
 def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable[[], None]]]]:
