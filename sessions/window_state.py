@@ -1,5 +1,6 @@
 """Where the window was: its geometry and the sidebar's share, as Qt gives them (base64
-text), kept across restarts in `window.json` next to the database. Written by the window
+text), and the chat it showed (its id), kept across restarts in `window.json` next to
+the database. Written by the window
 alone when it closes, as drafts are (sessions/drafts.py): the database has one writer,
 the worker, stopped by then. A file that cannot be read is no state, never an error: the
 window opens at its default size.

@@ -65,15 +65,16 @@ def test_a_draft_outlives_a_restart_and_a_sent_one_does_not(qtbot, open_window):
     qtbot.keyClicks(window.composer.edit, "also unfinished")
     window.close()  # Ctrl+Q
 
-    again = open_window()  # opens the chat with the latest message: the second
-    assert again.conversation_id == second
-    assert again.composer.edit.toPlainText() == "unfinished"
+    again = open_window()  # opens the chat that was on screen: the first
+    assert again.conversation_id == first
+    assert again.composer.edit.toPlainText() == "also unfinished"
+    assert switch_to(qtbot, again, second) == "unfinished"
     assert switch_to(qtbot, again, first) == "also unfinished"
     qtbot.keyClick(again.composer.edit, Qt.Key.Key_Return)
     wait_reply(qtbot, again)
     again.close()
 
-    third = open_window()  # the first chat has the latest message now, and nothing unsent
+    third = open_window()  # the first chat again, with nothing unsent now
     assert third.conversation_id == first
     assert third.composer.edit.toPlainText() == ""
     assert switch_to(qtbot, third, second) == "unfinished"
@@ -170,6 +171,27 @@ def test_the_window_opens_where_it_was_left(qtbot, open_window):
     again = open_window()
     assert (again.width(), again.height()) == (700, 520)
     assert again.splitter.sizes()[0] == sidebar
+
+
+def test_the_chat_on_screen_at_closing_is_the_one_opened_next(qtbot, open_window):
+    """New-user walk: a chat clicked on in the sidebar and read, not written to, gave
+    way at the next start to the chat with the newest messages."""
+    window = open_window()
+    send(qtbot, window, "The first chat.", greedy_tokens=2)
+    first = window.conversation_id
+    window.new_chat()
+    send(qtbot, window, "The second chat, written to last.", greedy_tokens=2)
+    second = window.conversation_id
+    window.show_conversation(first)
+    window.close()
+    assert open_window().conversation_id == first
+
+    from sessions import paths, window_state
+
+    path = paths.data_dir() / window_state.FILE_NAME
+    for gone in ("999", "-1", "two", ""):  # deleted since, or not an id: the newest
+        window_state.save(path, {"conversation": gone})
+        assert open_window().conversation_id == second
 
 
 def test_a_damaged_window_file_opens_the_window_as_at_first(qtbot, open_window):

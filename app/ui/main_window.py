@@ -94,7 +94,7 @@ class MainWindow(QMainWindow):
         self._count_soon = QTimer(self, singleShot=True, interval=COUNT_AFTER_MS)
         self.models = ModelBar()
         self._build_layout()
-        self._restore_place()
+        self._left = self._restore_place()
         theme.follow(self.chat, self.preferences().theme)
         self.status = TurnStatus(self.statusBar())
         self.turns = TurnFlow(self)
@@ -104,9 +104,9 @@ class MainWindow(QMainWindow):
         self._wire()
         self.refresh_models()
         self.refresh_sidebar()
-        chats = self.store.list()  # the most recently used first: reopen it, as it was left
+        chats = self.store.list()  # the most recently used first
         self.drafts.prune({chat.id for chat in chats})
-        self.show_conversation(chats[0].id if chats else None)
+        self.show_conversation(self._chat_left_open([chat.id for chat in chats]))
         self.composer.edit.setFocus()  # open ready to type
         self.load_chosen_model()
 
@@ -144,9 +144,9 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(self.splitter)
         self.addToolBar(self.models)
 
-    def _restore_place(self) -> None:
+    def _restore_place(self) -> dict[str, str]:
         """Where the window was when it last closed, and the sidebar's width (a state
-        Qt cannot use, from another screen or a damaged file, is let go)."""
+        Qt cannot use, from another screen or a damaged file, is let go); the state."""
         state = window_state.load(paths.data_dir() / window_state.FILE_NAME)
         for name, restore in (
             ("geometry", self.restoreGeometry),
@@ -154,12 +154,24 @@ class MainWindow(QMainWindow):
         ):
             if name in state:
                 restore(QByteArray.fromBase64(state[name].encode("ascii")))
+        return state
+
+    def _chat_left_open(self, chats: list[int]) -> int | None:
+        """The chat on screen when the window last closed, if it is still there; else
+        the one most recently written to (found on a new-user walk: a chat read, not
+        written to, gave way at the next start to one with newer messages)."""
+        left = self._left.get("conversation", "")
+        if left.isdigit() and int(left) in chats:
+            return int(left)
+        return chats[0] if chats else None
 
     def _keep_place(self) -> None:
         state = {
             "geometry": self.saveGeometry().toBase64().data().decode("ascii"),
             "splitter": self.splitter.saveState().toBase64().data().decode("ascii"),
         }
+        if self.conversation_id is not None:
+            state["conversation"] = str(self.conversation_id)
         window_state.save(paths.data_dir() / window_state.FILE_NAME, state)
 
     def _wire(self) -> None:
