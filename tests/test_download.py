@@ -78,9 +78,16 @@ def test_a_repo_without_mlx_weights_is_refused(tmp_path):
         download_model("someone/gguf", tmp_path / "models", endpoint=hub.endpoint)
 
 
-def test_an_unreachable_hub_gets_a_clear_message(tmp_path):
-    with pytest.raises(DownloadError, match="Could not reach the hub"):
-        download_model("a/b", tmp_path / "models", endpoint="http://127.0.0.1:9")
+@pytest.mark.parametrize(
+    "endpoint", ["http://127.0.0.1:9", "http://no-such-host.invalid"]  # refused; no name
+)
+def test_an_unreachable_hub_gets_a_clear_message(tmp_path, endpoint):
+    """New-user walk, offline: it said "[Errno -2] Name or service not known"."""
+    with pytest.raises(DownloadError) as refused:
+        download_model("a/b", tmp_path / "models", endpoint=endpoint)
+    said = str(refused.value)
+    assert said.startswith("Could not reach the hub (") and "internet connection" in said
+    assert "Errno" not in said
 
 
 def test_a_name_the_hub_cannot_have_is_refused_before_asking_it(tmp_path):

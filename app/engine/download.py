@@ -13,6 +13,7 @@ import fnmatch
 import os
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -110,7 +111,7 @@ def download_model(
     except RepositoryNotFoundError as exc:
         raise DownloadError(f"No model {repo_id!r} on the hub (or it is private)") from exc
     except Exception as exc:  # HfHubHTTPError, OSError, or the HTTP client's own errors
-        raise DownloadError(f"Could not reach the hub for {repo_id!r}: {exc}") from exc
+        raise DownloadError(_unreachable(repo_id, endpoint, exc)) from exc
     files = [(s.rfilename, s.size or 0) for s in info.siblings or [] if _wanted(s.rfilename)]
     names = {f for f, _ in files}
     if "config.json" not in names or not any(f.endswith(".safetensors") for f in names):
@@ -129,6 +130,28 @@ def download_model(
             )
     report(total, total, "")
     return target
+
+
+def _unreachable(repo_id: str, endpoint: str | None, exc: BaseException) -> str:
+    """Why the hub did not answer, in words (found on a new-user walk: "[Errno -2] Name
+    or service not known" was all it said, with no machine online)."""
+    host = urllib.parse.urlsplit(endpoint or "https://huggingface.co").netloc
+    cause = _innermost(exc)
+    if isinstance(cause, OSError):  # no network, no name lookup, refused, timed out
+        detail = cause.strerror or str(cause)
+        return (
+            f"Could not reach the hub ({host}) for {repo_id!r}: no connection ({detail}). "
+            "Check this computer's internet connection, then try again."
+        )
+    return f"Could not reach the hub ({host}) for {repo_id!r}: {exc}"
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    return exc
 
 
 def _fetch(
