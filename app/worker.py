@@ -105,9 +105,9 @@ class EngineWorker(QObject):
         """Run `task`; whether it succeeded (a failure is reported: `_failure`)."""
         return self._failure(what, task) is None
 
-    def _failure(self, what: str, task: Callable[[], object]) -> str | None:
+    def _failure(self, what: str, task: Callable[[], object], tell: bool = True) -> str | None:
         """Run `task`; None, or what the user is told of its failure: a user error as it
-        is, a bug with its log entry."""
+        is, a bug with its log entry; said as `failed` unless the caller says it."""
         try:
             task()
             return None
@@ -117,7 +117,8 @@ class EngineWorker(QObject):
             log.exception("%s failed", what)
             log_file = paths.log_file()
             message = f"{what} failed because of a bug; the log has the details:\n{log_file}"
-        self.failed.emit(message)
+        if tell:
+            self.failed.emit(message)
         return message
 
     # -- the model ----------------------------------------------------------------
@@ -199,12 +200,13 @@ class EngineWorker(QObject):
 
     def _add_model(self, task: Callable[[], Path]) -> None:
         """Run an import or download; `model_added` names the new model, or says why
-        there is none (the dialog that asked shows it)."""
+        there is none: the one message of its failure (the dialog that asked shows it,
+        and the window)."""
         self.busy_changed.emit(True)
         added: list[str] = []
         why: str | None = "Nothing was added"  # if an exception gets past `_failure`
         try:
-            why = self._failure("Adding the model", lambda: added.append(task().name))
+            why = self._failure("Adding the model", lambda: added.append(task().name), tell=False)
         finally:
             self.model_added.emit(added[0] if added else "", "" if added else why or "")
             self.busy_changed.emit(False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from gui_window import prefer, send
 
 from app.ui.chat_view import ChatView
@@ -36,11 +37,20 @@ def test_a_long_code_line_does_not_scroll_the_transcript_sideways(qtbot):
     assert "Copy" in view.toPlainText()
 
 
-def test_branch_arrows_are_words_not_glyphs(qtbot):
+@pytest.mark.parametrize(
+    ("branch", "links"),
+    [((1, 2), ["Next"]), ((2, 3), ["Previous", "Next"]), ((3, 3), ["Previous"])],
+)
+def test_branch_arrows_are_words_and_stop_at_either_end(qtbot, branch, links):
+    """Words, not 5-pixel glyphs; no link past the first or the last branch (new-user
+    walk: Next on the last went round to the first)."""
     view = ChatView()
     qtbot.addWidget(view)
-    view.show_messages([RenderedMessage(1, "assistant", "Hi", branch=(1, 2), is_last=True)])
-    assert "◀ Previous 1/2 Next ▶" in view.toPlainText().replace("\xa0", " ").replace("  ", " ")
+    view.show_messages([RenderedMessage(1, "assistant", "Hi", branch=branch, is_last=True)])
+    shown = " ".join(view.toPlainText().replace("\xa0", " ").split())
+    assert f"◀ Previous {branch[0]}/{branch[1]} Next ▶" in shown
+    html = view.toHtml()
+    assert [w for w in ("Previous", "Next") if f"branch-{w[:4].lower()}" in html] == links
 
 
 def test_export_names_are_safe_file_names():

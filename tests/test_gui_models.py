@@ -92,13 +92,17 @@ def test_a_failed_import_says_why_in_the_dialog(qtbot, dialog, tmp_path):
         ("Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf", "Meta-Llama-3.1-8B-Instruct-Q4_K_M"),
     ],
 )
-def test_import_gguf_offers_the_name_first_start_gives(qtbot, dialog, monkeypatch, file, offered):
+def test_import_gguf_offers_the_name_first_start_gives(
+    qtbot, dialog, monkeypatch, tmp_path, file, offered
+):
     """Found on a new-user walk: the dialog offered "…Instruct.Q4_1" for the starter
     file, which first start imports as "…Instruct"; and its box showed about 20
     characters of it. The file dialog is the desktop's: it answers here as a user would."""
     from PySide6.QtWidgets import QFileDialog, QInputDialog
 
-    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a: (f"/somewhere/{file}", ""))
+    chosen = tmp_path / file
+    chosen.write_bytes(b"GGUF" + bytes(28))
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a: (str(chosen), ""))
     asked = []
 
     def read_and_cancel(box):
@@ -111,6 +115,21 @@ def test_import_gguf_offers_the_name_first_start_gives(qtbot, dialog, monkeypatc
     dialog.choose_gguf()
     assert asked == [(offered, True)]  # offered, and shown whole
     assert dialog.progress.isHidden()  # cancelled: nothing imported
+
+
+def test_a_file_that_is_no_gguf_is_refused_before_a_name_is_asked(
+    qtbot, dialog, monkeypatch, tmp_path
+):
+    """New-user walk: notes.gguf (text) was given a name first, then refused."""
+    from PySide6.QtWidgets import QFileDialog, QInputDialog
+
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("shopping: milk, eggs")
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a: (str(notes), ""))
+    monkeypatch.setattr(QInputDialog, "exec", lambda box: pytest.fail("a name was asked for"))
+    dialog.choose_gguf()
+    assert dialog.message.text() == "notes.gguf is not a GGUF file: nothing was added."
+    assert names() == []
 
 
 def test_the_model_in_use_is_marked_and_not_deleted(qtbot, tiny_model_dir, monkeypatch):

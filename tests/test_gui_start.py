@@ -315,3 +315,40 @@ def test_a_model_whose_import_ends_after_the_dialog_closed_is_listed_and_loaded(
     assert window.models.names() == ["tiny"] and window.models.current() == "tiny"
     assert warned == []
     window.close()
+
+
+def test_an_import_that_fails_is_said_once_where_it_was_asked(
+    qtbot, open_window, monkeypatch, tmp_path
+):
+    """New-user walk: a failed import was said three times (a box, the Models dialog, the
+    status bar). In the dialog while it is up, with the status bar; in a box once the
+    dialog is closed, as nothing else would say it."""
+    from app.ui.menus import open_models
+    from app.ui.models_dialog import ModelsDialog
+
+    warned = boxes_said(monkeypatch)
+    window = open_window()
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(b"GGUF" + bytes(60))
+    said_in_dialog = []
+
+    def import_and_read(dialog):
+        dialog.start_import(str(damaged), "damaged")
+        qtbot.waitUntil(lambda: dialog.progress.isHidden(), timeout=60_000)
+        said_in_dialog.append(dialog.message.text())
+        dialog.accept()
+
+    when_a_box_opens(import_and_read, kind=ModelsDialog)
+    open_models(window)
+    assert "damaged.gguf" in said_in_dialog[0]
+    assert window.status.message.text() == said_in_dialog[0].splitlines()[0]
+    assert warned == []
+
+    def import_and_close(dialog):
+        dialog.start_import(str(damaged), "damaged")
+        dialog.accept()
+
+    when_a_box_opens(import_and_close, kind=ModelsDialog)
+    open_models(window)
+    qtbot.waitUntil(lambda: bool(warned), timeout=60_000)
+    assert warned == said_in_dialog

@@ -82,6 +82,7 @@ class MainWindow(QMainWindow):
         self.generating = False
         self._boxes_up: set[str] = set()  # the failures a box on screen says
         self._load_failure = ""  # why the model last asked for did not load, until one does
+        self.library_open = False  # the Models dialog is up (menus.open_models)
 
         self.sidebar = Sidebar()
         self.header = ChatHeader()
@@ -265,11 +266,14 @@ class MainWindow(QMainWindow):
         self.load_model_requested.emit(self.models.current())
 
     @Slot(str, str)
-    def on_model_added(self, name: str, _why: str) -> None:
+    def on_model_added(self, name: str, why: str) -> None:
         """A model came into the library (the Models dialog's import or download, which
         may end after the dialog is closed): the toolbar lists it, and loads it where
         the window has none in and none coming."""
         if not name:
+            self.status.on_failed(why)
+            if not self.library_open:  # else the Models dialog says it, where it was asked
+                self._warn(why)
             return
         self.refresh_models()
         if not self.models.ready and self.models.awaited is None:
@@ -464,6 +468,10 @@ class MainWindow(QMainWindow):
             self._load_failure = message
         elif message == self._load_failure:
             return
+        self._warn(message)
+
+    def _warn(self, message: str) -> None:
+        """A warning box, unless one on screen says the same already."""
         if message in self._boxes_up:
             return
         self._boxes_up.add(message)

@@ -98,9 +98,11 @@ def open_models(window: MainWindow) -> None:
 
     in_use = window.models.current() if window.models.ready else ""
     dialog = ModelsDialog(window.engine.worker, window, in_use)
+    window.library_open = True
     try:
         dialog.exec()
     finally:
+        window.library_open = False
         dialog.deleteLater()  # kept, hidden, it would go on answering the worker's signals
     window.refresh_models()
     if not window.models.ready and window.models.awaited is None:

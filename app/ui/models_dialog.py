@@ -108,6 +108,9 @@ class ModelsDialog(QDialog):
         )
         if not path:
             return
+        if not _starts_as_gguf(Path(path)):  # said before a name is asked for (new-user walk)
+            self.message.setText(f"{Path(path).name} is not a GGUF file: nothing was added.")
+            return
         name = asking.model_name(self, suggested_name(Path(path)))
         if name is not None:
             self.start_import(path, name.strip())
@@ -183,3 +186,12 @@ class ModelsDialog(QDialog):
             models.delete(name, paths.models_dir())
             self.refresh()
             self.find_requested.emit()
+
+
+def _starts_as_gguf(path: Path) -> bool:
+    """Whether the file begins as every GGUF file does (the importer checks the rest)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

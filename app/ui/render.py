@@ -364,12 +364,11 @@ def message_html(
         links.append(link("continue", "Continue"))
     if message.branch and message.branch[1] > 1:
         index, count = message.branch
-        # Arrows as words-sized targets, not 5-pixel glyphs.
-        back, forward = (
-            link("branch-prev", "&nbsp;◀ Previous&nbsp;"),
-            link("branch-next", "&nbsp;Next ▶&nbsp;"),
-        )
-        links.insert(0, f"{back} {index}/{count} {forward}")
+        # Arrows as words-sized targets, not 5-pixel glyphs; none past either end (a
+        # new-user walk: Next on the last branch went round to the first).
+        back = link("branch-prev", "◀ Previous") if index > 1 else "◀ Previous"
+        forward = link("branch-next", "Next ▶") if index < count else "Next ▶"
+        links.insert(0, f"{back} &nbsp;{index}/{count}&nbsp; {forward}")
     footer = f'<p style="color:{colours.muted}; font-size:small">{" &nbsp; ".join(links)}</p>'
 
     who = "You" if message.role == "user" else "Assistant"

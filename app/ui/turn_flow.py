@@ -158,5 +158,6 @@ class TurnFlow(QObject):
         elif verb in ("branch-prev", "branch-next"):
             siblings = [s.id for s in w.store.siblings(message_id)]
             step = -1 if verb == "branch-prev" else 1
-            target = siblings[(siblings.index(message_id) + step) % len(siblings)]
-            w.branch_requested.emit(w.conversation_id, target)
+            at = siblings.index(message_id) + step
+            if 0 <= at < len(siblings):  # no link past an end is drawn; none goes round
+                w.branch_requested.emit(w.conversation_id, siblings[at])
