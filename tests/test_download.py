@@ -79,7 +79,8 @@ def test_a_repo_without_mlx_weights_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "endpoint", ["http://127.0.0.1:9", "http://no-such-host.invalid"]  # refused; no name
+    "endpoint",
+    ["http://127.0.0.1:9", "http://no-such-host.invalid"],  # refused; no name
 )
 def test_an_unreachable_hub_gets_a_clear_message(tmp_path, endpoint):
     """New-user walk, offline: it said "[Errno -2] Name or service not known"."""
