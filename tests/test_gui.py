@@ -172,8 +172,9 @@ def test_a_turn_that_reads_most_of_the_chat_again_does_not_say_continuing(qtbot,
     qtbot.waitUntil(lambda: bool(changed), timeout=10_000)
     send(qtbot, window, "And the sun?", greedy_tokens=4)
     text = window.status.message.text()
-    assert text.startswith("Reading the conversation again: "), text
-    reused, _, total = text.split(": ")[1].split(" tokens")[0].partition(" of ")
+    # Said as the reply began, in the past (the walk saw "Reading…" while it streamed).
+    assert text.startswith("Read the conversation again ("), text
+    reused, _, total = text.split("(")[1].split(" tokens")[0].partition(" of ")
     assert int(reused.replace(",", "")) * 2 < int(total.replace(",", ""))
     # A long new message reads more than the chat held, but the chat is not read again.
     send(qtbot, window, "Here is a long note to think about. " * 60, greedy_tokens=4)

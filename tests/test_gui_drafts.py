@@ -203,3 +203,26 @@ def test_a_damaged_window_file_opens_the_window_as_at_first(qtbot, open_window):
         window = open_window()
         assert (window.width(), window.height()) == (1100, 720)
         window.close()
+
+
+def test_enter_while_a_reply_is_written_says_why_the_message_waits(qtbot, open_window):
+    """New-user walk: Enter during a reply kept the text, rightly, and said nothing."""
+    window = open_window()
+    start_long_reply(qtbot, window)
+    window.composer.edit.setPlainText("And then?")
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    assert window.composer.edit.toPlainText() == "And then?"
+    assert window.status.message.text().startswith("A reply is being written: your message")
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
+    wait_reply(qtbot, window)
+    assert not window.status.message.text().startswith("A reply is being written")
+
+
+def test_a_narrow_window_keeps_most_of_its_width_for_the_chat(qtbot, open_window):
+    """New-user walk: at the smallest size the sidebar kept 250 of 640 px."""
+    window = open_window()
+    window.resize(640, 480)
+    qtbot.waitUntil(lambda: window.width() == 640, timeout=2_000)
+    sidebar, chat = window.splitter.sizes()
+    assert chat >= 2 * sidebar, (sidebar, chat)
+    assert window.sidebar.new_button.width() <= sidebar  # nothing of it cut off

@@ -23,6 +23,7 @@ class Composer(QWidget):
     send_requested = Signal(str)
     edit_requested = Signal(int, str)  # a sent message, and its new text
     stop_requested = Signal()
+    send_held = Signal()  # Enter while a reply is written: the text waits in the box
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,6 +92,8 @@ class Composer(QWidget):
 
     def send(self) -> None:
         text = self.edit.toPlainText().strip()
+        if text and self.generating:
+            self.send_held.emit()
         if not text or self.generating:
             return
         if self.editing is not None:

@@ -46,6 +46,8 @@ if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the fi
 
 
 COUNT_AFTER_MS = 300
+# Enter pressed while a reply is written: why nothing was sent (a new-user walk).
+HELD = "A reply is being written: your message waits here until it ends (Esc stops it)"
 
 
 class MainWindow(QMainWindow):
@@ -140,7 +142,10 @@ class MainWindow(QMainWindow):
         self.splitter = QSplitter()
         self.splitter.addWidget(self.sidebar)
         self.splitter.addWidget(right)
-        self.splitter.setStretchFactor(1, 1)
+        # Both give way as the window narrows, the chat three times as much (a new-user
+        # walk: at 640 px the sidebar kept 250 and the chat's header wrapped four times).
+        self.splitter.setStretchFactor(0, 1)
+        self.splitter.setStretchFactor(1, 3)
         self.splitter.setSizes([260, 840])
         self.setCentralWidget(self.splitter)
         self.addToolBar(self.models)
@@ -223,6 +228,7 @@ class MainWindow(QMainWindow):
         self.meter.new_chat_requested.connect(self.turns.send_in_new_chat)
         self.composer.send_requested.connect(self.drafts.forget)
         self.composer.send_requested.connect(self.turns.send)
+        self.composer.send_held.connect(lambda: self.status.say_while_busy(HELD))
         self.composer.edit_requested.connect(self.turns.edit_sent)
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
         self.composer.stop_requested.connect(worker.stop, Qt.ConnectionType.DirectConnection)

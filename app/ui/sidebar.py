@@ -175,7 +175,7 @@ class Sidebar(QWidget):
         self.no_matches.hide()
         layout.addWidget(self.no_matches)
         layout.addWidget(self.list)
-        self.setMinimumWidth(220)
+        self.setMinimumWidth(170)  # titles are cut (their ends elided), never the buttons
         self.new_button.clicked.connect(self.new_requested)
         self.search.textChanged.connect(self.search_changed)
         # Selected, not made current: Tab into the list makes its first row current

@@ -37,18 +37,32 @@ def progress_text(done: int, total: int) -> str:
 
 
 def restore_text(
-    source: str, tokens: int, seconds: float, prompt_tokens: int = 0, held_tokens: int = 0
+    source: str,
+    tokens: int,
+    seconds: float,
+    prompt_tokens: int = 0,
+    held_tokens: int = 0,
+    read: bool = False,
 ) -> str:
     """Where the turn's cache came from. Most of the prompt read again because the chat
     changed (a changed system prompt, an edit near the start: memory kept less than it
-    held) is not "continuing", whatever was in memory; a long new message is."""
+    held) is not "continuing", whatever was in memory; a long new message is. `read`:
+    the reply has begun, so what was being read has been (a new-user walk saw "Reading…"
+    stay up while the reply streamed)."""
     if source == "disk":
         return f"Resumed from saved cache: {tokens:,} tokens in {took(seconds)}"
     if source == "memory" and prompt_tokens > 2 * tokens and tokens < held_tokens:
-        return f"Reading the conversation again: {tokens:,} of {prompt_tokens:,} tokens in memory"
+        held = f"{tokens:,} of {prompt_tokens:,} tokens"
+        if read:
+            return f"Read the conversation again ({held} were in memory)"
+        return f"Reading the conversation again: {held} in memory"
     if source == "memory":
         return f"Continuing: {tokens:,} tokens already in memory"
-    return "Reading the conversation from the start"
+    return (
+        "Read the conversation from the start"
+        if read
+        else "Reading the conversation from the start"
+    )
 
 
 def stats_text(reply: ReplyFinished) -> str:
@@ -119,6 +133,9 @@ class TurnStatus(QObject):
         # Restoring a cache reports no steps: a busy bar if the reply is slow to start.
         self._slow_start = QTimer(self, singleShot=True, interval=PROGRESS_AFTER_MS)
         self._slow_start.timeout.connect(self.on_slow_start)
+        # What the bar said of the turn's cache, until the reply begins (`on_first_text`).
+        self._restore: RestoreInfo | None = None
+        self._said_restore = self._said_restore_read = ""
 
     def begin(self) -> None:
         self._clock.start()
@@ -179,6 +196,9 @@ class TurnStatus(QObject):
         if self._slow_start.isActive() or self.progress.maximum() == 0:
             self._slow_start.stop()
             self.progress.hide()
+        if self._restore is not None and self.message.text() == self._said_restore:
+            self.message.setText(self._said_restore_read)
+        self._restore = None
 
     @Slot(int, int)
     def on_prompt_progress(self, done: int, total: int) -> None:
@@ -192,10 +212,11 @@ class TurnStatus(QObject):
             self.progress.show()
 
     def on_restored(self, info: RestoreInfo, first_turn: bool) -> None:
-        text = restore_text(
-            info.source, info.tokens, info.seconds, info.prompt_tokens, info.held_tokens
-        )
-        self.message.setText("" if first_turn else text)
+        said = (info.source, info.tokens, info.seconds, info.prompt_tokens, info.held_tokens)
+        self._restore = None if first_turn else info
+        self._said_restore = "" if first_turn else restore_text(*said)
+        self._said_restore_read = restore_text(*said, read=True)
+        self.message.setText(self._said_restore)
 
     def on_prefetched(self, info: RestoreInfo, has_messages: bool = True) -> None:
         """The selected chat's cache is in memory: its next reply starts at once; or it
