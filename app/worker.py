@@ -187,8 +187,8 @@ class EngineWorker(QObject):
 
     @Slot()
     def find_models(self) -> None:
-        """Look through LM Studio's, Ollama's and the Hugging Face cache's folders (here,
-        not on the window's thread: a large or slow disk takes seconds)."""
+        """Look through LM Studio's, Ollama's and the Hugging Face cache's folders, and
+        Downloads (here, not on the window's thread: a large or slow disk takes seconds)."""
         from app.engine import found, models
 
         def find() -> None:

@@ -7,6 +7,7 @@ variable, which is how tests point the app at a temporary folder.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import platformdirs
@@ -43,3 +44,11 @@ def log_dir() -> Path:
 
 def log_file() -> Path:
     return log_dir() / "reprise.log"
+
+
+def downloads_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where the user's browser saves files (platformdirs: the XDG user folder on Linux,
+    ~/Downloads on a Mac), looked in for GGUF files and never created here;
+    REPRISE_DOWNLOADS_DIR overrides."""
+    override = (os.environ if env is None else env).get("REPRISE_DOWNLOADS_DIR")
+    return Path(override).expanduser() if override else Path(platformdirs.user_downloads_dir())

@@ -40,6 +40,7 @@ def app_dirs(tmp_path, monkeypatch) -> dict[str, Path]:
         ("REPRISE_LMSTUDIO_MODELS", "lmstudio"),
         ("OLLAMA_MODELS", "ollama"),
         ("HF_HUB_CACHE", "hf-hub"),
+        ("REPRISE_DOWNLOADS_DIR", "downloads"),
     ):
         dirs[name] = tmp_path / name
         monkeypatch.setenv(variable, str(dirs[name]))

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tool_folders import REVISION, hf_tree, lmstudio_tree, ollama_tree
+from tool_folders import REVISION, downloads_tree, hf_tree, lmstudio_tree, ollama_tree
 
 from app.engine import found, models
 from app.engine.gguf_import import import_gguf
@@ -145,6 +145,22 @@ def test_an_import_that_kept_no_usable_size_marks_no_file_installed(places, tmp_
         config["reprise"]["gguf_bytes"] = size
     (imported.path / "config.json").write_text(json.dumps(config))
     assert installed_as(places, library)[label] == ""
+
+
+def test_gguf_files_at_the_top_of_downloads_are_found(tmp_path):
+    """New-user walk: first start found the starter in ~/Downloads; this list did not."""
+    nowhere = tmp_path / "none"
+    downloads = downloads_tree(tmp_path / "Downloads")
+    discovery = found.discover(found.Locations((), nowhere, nowhere, (downloads,)))
+    assert [(f.label, f.source, f.kind) for f in discovery.found] == [
+        ("Tiny-Q4_0.gguf", found.DOWNLOADS, found.GGUF)
+    ]
+    assert reasons(discovery) == {
+        "mmproj-Tiny-F16.gguf": "a vision projector, not a language model",
+        "notes.gguf": "not a GGUF file",
+        "pipe.gguf": "not a regular file",
+    }
+    assert found.Locations.from_environment({}, tmp_path).downloads == (downloads,)
 
 
 def test_deleting_a_model_used_in_place_keeps_the_cache_s_files(places, tmp_path):

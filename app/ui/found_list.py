@@ -17,6 +17,8 @@ from app.engine import found
 from app.engine.found import Discovery, FoundModel
 
 ACTION_COLUMN = 3
+PLACES = "LM Studio's, Ollama's and Hugging Face's folders, and Downloads"
+LOOKING = f"Looking in {PLACES}…"
 _PRESS_KEYS = (Qt.Key.Key_Return, Qt.Key.Key_Enter, Qt.Key.Key_Space)
 
 
@@ -44,7 +46,7 @@ class FoundList(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.title = QLabel("<b>Found on this computer</b>")
-        self.status = QLabel("Looking in LM Studio's, Ollama's and Hugging Face's folders…")
+        self.status = QLabel(LOOKING)
         self.status.setWordWrap(True)
         self.table = _Rows()
         self.table.setHeaderLabels(["Name", "Source", "Size", ""])
@@ -56,7 +58,7 @@ class FoundList(QWidget):
         layout.addWidget(self.status)
 
     def looking(self) -> None:
-        self.status.setText("Looking in LM Studio's, Ollama's and Hugging Face's folders…")
+        self.status.setText(LOOKING)
 
     def show_found(self, discovery: Discovery | None) -> None:
         self.table.clear()
@@ -68,7 +70,7 @@ class FoundList(QWidget):
         self.table.resizeColumnToContents(0)
         count = len(discovery.found)
         text = f"{count} model{'s' if count != 1 else ''} found" if count else "No models found"
-        text += " in LM Studio's, Ollama's and Hugging Face's folders."
+        text += f" in {PLACES}."
         if discovery.skipped:
             text += f" {len(discovery.skipped)} skipped (hover for why)."
         self.status.setText(text)
