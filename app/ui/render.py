@@ -258,7 +258,7 @@ def _markdown_extent(text: str, env: dict) -> tuple[list, int]:
 
 def _plain_html(text: str, colours: ChatColours) -> str:
     end = _within(text, SHOWN_CHARS, SHOWN_LINES)
-    note = "The rest is shown as plain text: too long, deep or wide for Markdown."
+    note = "The rest is shown as plain text: too long, too deeply nested or too wide to format."
     parts = [
         f'<p style="color:{colours.muted}"><i>{note}</i></p>',
         f'<pre style="white-space: pre-wrap">{visible_text(text[:end])}</pre>',
