@@ -561,3 +561,20 @@ def test_a_long_status_message_ends_with_an_ellipsis_beside_whole_figures(qtbot)
 def test_the_live_count_says_one_token_not_one_tokens():
     assert live_text(1, 0.5) == "≈1 token · 2.0 tok/s"
     assert live_text(1_200, 0) == "≈1,200 tokens"
+
+
+def test_a_kv_choice_changed_since_the_last_reply_is_said_beside_its_figures(
+    qtbot, open_window
+):
+    """New-user walk: after choosing 8-bit in Preferences the status bar still read the
+    last reply's "Off (full precision)", as if the choice had not been taken."""
+    window = open_window()
+    send(qtbot, window, "Name a colour.", greedy_tokens=4)
+    assert window.status.stats.text().endswith("· Off (full precision)")
+    saved = []
+    window.engine.worker.preferences_saved.connect(saved.append)
+    prefer(window, kv_bits=8)
+    qtbot.waitUntil(lambda: bool(saved), timeout=10_000)
+    assert window.status.stats.text().endswith("· Off (full precision) · next reply: 8-bit")
+    send(qtbot, window, "And another?", greedy_tokens=4)
+    assert window.status.stats.text().endswith("· 8-bit"), window.status.stats.text()

@@ -28,6 +28,7 @@ from app.ui.context_meter import ContextMeter
 from app.ui.draft_keeper import DraftKeeper
 from app.ui.menus import build_menus
 from app.ui.model_bar import ModelBar
+from app.ui.preferences import kv_label
 from app.ui.quitting import wait_for_worker
 from app.ui.reading import rendered_messages, sidebar_entries
 from app.ui.sidebar import Sidebar
@@ -344,8 +345,10 @@ class MainWindow(QMainWindow):
 
     def _show_header(self) -> None:
         chat = self.store.get(self.conversation_id) if self.conversation_id else None
-        models = self.models
-        self.header.show(chat, models.current(), self.preferences(), models.names(), models.ready)
+        models, prefs = self.models, self.preferences()
+        self.header.show(chat, models.current(), prefs, models.names(), models.ready)
+        mine = prefs.for_chat(chat.overrides) if chat is not None else prefs
+        self.status.next_kv(kv_label(mine.kv_bits))
 
     @Slot()
     def change_system_prompt(self) -> None:

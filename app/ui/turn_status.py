@@ -133,6 +133,9 @@ class TurnStatus(QObject):
         # Restoring a cache reports no steps: a busy bar if the reply is slow to start.
         self._slow_start = QTimer(self, singleShot=True, interval=PROGRESS_AFTER_MS)
         self._slow_start.timeout.connect(self.on_slow_start)
+        self._figures = ("", "")  # the last reply's, and the KV choice its cache was in
+        self._chosen = ""  # the chat's KV choice for its next reply (`next_kv`)
+        self._changed_kv = ""  # that choice, where it changed since the last reply
         # What the bar said of the turn's cache, until the reply begins (`on_first_text`).
         self._restore: RestoreInfo | None = None
         self._said_restore = self._said_restore_read = ""
@@ -156,8 +159,26 @@ class TurnStatus(QObject):
         self.message.setText(text)
         self._until_done = text
 
+    def next_kv(self, label: str) -> None:
+        """The KV choice the chat's next reply uses. Changed since the last reply, it is
+        said beside that reply's figures until the next one ends (a new-user walk read the
+        last reply's "Off (full precision)" as if the change to 8-bit had not been taken;
+        a model whose cache cannot be quantized keeps its own label after the next reply)."""
+        changed = self._chosen not in ("", label)
+        self._chosen = label
+        if changed:
+            self._changed_kv = label
+            self._show_figures()
+
+    def _show_figures(self) -> None:
+        figures, kind = self._figures
+        if figures and self._changed_kv not in ("", kind):
+            figures += f" · next reply: {self._changed_kv}"
+        self.stats.setText(figures)
+
     def clear_figures(self) -> None:
         """No figures from another turn or another chat stay on screen."""
+        self._figures = ("", "")
         self.stats.setText("")
         self.stats.setToolTip("")
         self._pieces = 0
@@ -229,7 +250,9 @@ class TurnStatus(QObject):
 
     def on_finished(self, reply: ReplyFinished) -> None:
         self.progress.hide()
-        self.stats.setText(stats_text(reply))
+        self._figures = (stats_text(reply), kv_label_of(reply.stats.kv_format))
+        self._changed_kv = ""
+        self._show_figures()
         self.stats.setToolTip(f"KV cache as stored in memory: {reply.stats.kv_format}")
         if reply.stats.finish_reason == "cancelled":
             self.message.setText("Stopped")
