@@ -563,9 +563,7 @@ def test_the_live_count_says_one_token_not_one_tokens():
     assert live_text(1_200, 0) == "≈1,200 tokens"
 
 
-def test_a_kv_choice_changed_since_the_last_reply_is_said_beside_its_figures(
-    qtbot, open_window
-):
+def test_a_kv_choice_changed_since_the_last_reply_is_said_beside_its_figures(qtbot, open_window):
     """New-user walk: after choosing 8-bit in Preferences the status bar still read the
     last reply's "Off (full precision)", as if the choice had not been taken."""
     window = open_window()
