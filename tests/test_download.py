@@ -91,6 +91,23 @@ def test_an_unreachable_hub_gets_a_clear_message(tmp_path, endpoint):
     assert "Errno" not in said
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "shown"),
+    [
+        ("http://someone:s3cret@127.0.0.1:9", "(127.0.0.1:9)"),  # never the password
+        ("127.0.0.1:9", "("),  # no scheme: said, not a bug
+        ("http://[::1", "the hub's address is not valid"),
+    ],
+)
+def test_a_mirror_s_address_is_said_without_its_password(tmp_path, endpoint, shown):
+    """Review: REPRISE_HF_ENDPOINT's user and password were shown; a malformed one
+    escaped as a bug."""
+    with pytest.raises(DownloadError) as refused:
+        download_model("a/b", tmp_path / "models", endpoint=endpoint)
+    said = str(refused.value)
+    assert shown in said and "s3cret" not in said and "someone" not in said
+
+
 def test_a_name_the_hub_cannot_have_is_refused_before_asking_it(tmp_path):
     """Found on a new-user walk: "not a repo!!" said "Could not reach the hub", with
     the library's own words after it."""

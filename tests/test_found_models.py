@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from tool_folders import REVISION, downloads_tree, hf_tree, lmstudio_tree, ollama_tree
 
+import tiny
 from app.engine import found, models
 from app.engine.gguf_import import import_gguf
 from app.engine.loading import load
@@ -161,6 +162,24 @@ def test_gguf_files_at_the_top_of_downloads_are_found(tmp_path):
         "pipe.gguf": "not a regular file",
     }
     assert found.Locations.from_environment({}, tmp_path).downloads == (downloads,)
+
+
+def test_downloads_spends_its_budget_on_gguf_files_and_skips_names_that_are_not_text(tmp_path):
+    """Review: 50,000 other files used the walk's budget before a GGUF sorting after
+    them; a name of bytes that are not UTF-8 was listed, and could not be imported."""
+    nowhere = tmp_path / "none"
+    downloads = tmp_path / "Downloads"
+    downloads.mkdir()
+    for i in range(300):
+        (downloads / f"a{i:04d}.txt").write_text("x")
+    tiny.write_gguf(downloads / "z-last.gguf")
+    odd = os.fsencode(downloads) + b"/caf\xe9-model.gguf"
+    with open(odd, "wb") as f:
+        f.write(b"GGUF" + bytes(28))
+    places = found.Locations((), nowhere, nowhere, (downloads,))
+    discovery = found.discover(places, max_entries=100)
+    assert [f.label for f in discovery.found] == ["z-last.gguf"]
+    assert any("not valid text" in s.reason for s in discovery.skipped)
 
 
 def test_deleting_a_model_used_in_place_keeps_the_cache_s_files(places, tmp_path):

@@ -242,3 +242,17 @@ def test_enter_on_a_found_row_imports_it_and_keeps_the_dialog_open(qtbot, tmp_pa
     found_list.table.setCurrentItem(found_list.table.topLevelItem(1))  # installed already
     qtbot.keyClick(found_list.table, Qt.Key.Key_Space)
     assert len(asked) == 1 and dialog.isVisible()
+
+
+def test_a_pipe_named_gguf_is_refused_without_waiting(qtbot, dialog, monkeypatch, tmp_path):
+    """Review: opening a FIFO to read its first bytes waited for a writer forever, on the
+    window's thread."""
+    import os
+
+    from PySide6.QtWidgets import QFileDialog
+
+    pipe = tmp_path / "pipe.gguf"
+    os.mkfifo(pipe)
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a: (str(pipe), ""))
+    dialog.choose_gguf()
+    assert dialog.message.text() == "pipe.gguf is not a regular file: nothing was added."

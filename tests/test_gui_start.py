@@ -352,3 +352,91 @@ def test_an_import_that_fails_is_said_once_where_it_was_asked(
     open_models(window)
     qtbot.waitUntil(lambda: bool(warned), timeout=60_000)
     assert warned == said_in_dialog
+
+
+def test_a_model_added_when_the_chosen_one_cannot_load_is_the_one_loaded(
+    qtbot, monkeypatch, starter_model_dir, tmp_path
+):
+    """Review: with only a broken model in the library, importing a working one loaded
+    the broken one again, twice (three boxes), and never the new one."""
+    import tiny
+    from app.ui.menus import open_models
+    from app.ui.models_dialog import ModelsDialog
+
+    warned = boxes_said(monkeypatch)
+    a_model_without_weights(starter_model_dir, "broken")
+    window = MainWindow()
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitUntil(lambda: len(warned) == 1, timeout=READY_MS)
+    gguf = tiny.write_gguf(tmp_path / "tiny.gguf")
+
+    def import_and_close(dialog):
+        dialog.start_import(str(gguf), "tiny")
+        qtbot.waitUntil(lambda: dialog.message.text() == "Added tiny", timeout=60_000)
+        dialog.accept()
+
+    when_a_box_opens(import_and_close, kind=ModelsDialog)
+    open_models(window)
+    qtbot.waitUntil(lambda: window.models.ready, timeout=READY_MS)
+    assert window.models.current() == "tiny"
+    assert len(warned) == 1
+    window.close()
+
+
+def test_a_message_sent_later_to_a_model_that_failed_gets_its_box(
+    qtbot, monkeypatch, starter_model_dir
+):
+    """Review: the one-box rule hid the failure of a message sent long after the load
+    had failed: only a turn asked for while that load was under way is spared its box."""
+    warned = boxes_said(monkeypatch)
+    a_model_without_weights(starter_model_dir, "broken")
+    window = MainWindow()
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitUntil(lambda: len(warned) == 1 and not window.models.awaited, timeout=READY_MS)
+    window.composer.edit.setPlainText("Hello?")
+    window.composer.edit.submitted.emit()
+    qtbot.waitUntil(lambda: len(warned) == 2, timeout=READY_MS)
+    assert warned[1] == warned[0] and window.composer.edit.toPlainText() == "Hello?"
+    window.close()
+
+
+def test_a_downloads_folder_that_cannot_be_looked_in_does_not_stop_the_start(monkeypatch):
+    """Review: `Path.is_file` raises for a folder the system will not let us read (a
+    Mac's Downloads, access denied) or a name too long, before the window existed."""
+    from app.ui import first_run
+
+    monkeypatch.setenv("REPRISE_STARTER_GGUF", "/tmp/" + "x" * 300 + ".gguf")
+    monkeypatch.setenv("REPRISE_DOWNLOADS_DIR", "/tmp/" + "y" * 300)
+    assert first_run.starter_gguf() is None
+
+
+def test_enter_while_a_model_is_added_says_so_not_that_a_reply_is_written(
+    qtbot, open_window, monkeypatch, tiny_model_dir
+):
+    """Review: during a download left running behind the closed Models dialog, Enter
+    said "A reply is being written … (Esc stops it)", and Esc then cancelled the download."""
+    from hub_server import FakeHub
+
+    from app.ui.main_window import HELD_BY_ADD
+    from app.ui.menus import open_models
+    from app.ui.models_dialog import ModelsDialog
+
+    window = open_window()
+    with FakeHub({"mlx-community/tiny": tiny_model_dir}, seconds_per_block=0.05) as hub:
+        monkeypatch.setenv("REPRISE_HF_ENDPOINT", hub.endpoint)
+
+        def download_and_close(dialog):
+            dialog.start_download("mlx-community/tiny")
+            qtbot.waitUntil(lambda: "MB" in dialog.message.text(), timeout=60_000)
+            dialog.accept()
+
+        when_a_box_opens(download_and_close, kind=ModelsDialog)
+        open_models(window)
+        assert window.generating  # the worker is busy with the download
+        window.composer.edit.setPlainText("Hello?")
+        window.composer.edit.submitted.emit()
+        assert window.status.message.text() == HELD_BY_ADD
+        qtbot.waitUntil(lambda: "tiny" in window.models.names(), timeout=60_000)
+    assert window.composer.edit.toPlainText() == "Hello?"

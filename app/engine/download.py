@@ -135,7 +135,7 @@ def download_model(
 def _unreachable(repo_id: str, endpoint: str | None, exc: BaseException) -> str:
     """Why the hub did not answer, in words (found on a new-user walk: "[Errno -2] Name
     or service not known" was all it said, with no machine online)."""
-    host = urllib.parse.urlsplit(endpoint or "https://huggingface.co").netloc
+    host = _host(endpoint or "https://huggingface.co")
     cause = _innermost(exc)
     if isinstance(cause, OSError):  # no network, no name lookup, refused, timed out
         detail = cause.strerror or str(cause)
@@ -144,6 +144,18 @@ def _unreachable(repo_id: str, endpoint: str | None, exc: BaseException) -> str:
             "Check this computer's internet connection, then try again."
         )
     return f"Could not reach the hub ({host}) for {repo_id!r}: {exc}"
+
+
+def _host(endpoint: str) -> str:
+    """The endpoint's host (and port), never its user or password."""
+    try:
+        parts = urllib.parse.urlsplit(endpoint)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return "the hub's address is not valid"
+    if not host:
+        return "no host in its address"
+    return f"{host}:{port}" if port else host
 
 
 def _innermost(exc: BaseException) -> BaseException:

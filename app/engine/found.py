@@ -235,13 +235,22 @@ def _lmstudio(root: Path, budget: _Budget, depth: int = 0) -> Iterator[Item]:
 def _downloads(root: Path, budget: _Budget) -> Iterator[Item]:
     """The GGUF files at the top of the Downloads folder (where first start looks for the
     starter model: a new-user walk found it there and not in this list)."""
-    for entry in _entries(root, budget):
-        if entry.name.lower().endswith(".gguf") and not entry.name.startswith("."):
-            yield _gguf_file(Path(entry.path), entry.name, DOWNLOADS)
+    with os.scandir(root) as listing:  # the budget is for GGUF files, not the rest
+        names = sorted(
+            entry.name
+            for entry in listing
+            if entry.name.lower().endswith(".gguf") and not entry.name.startswith(".")
+        )
+    for name in names:
+        if not budget.take():
+            return
+        yield _gguf_file(root / name, name, DOWNLOADS)
 
 
 def _gguf_file(path: Path, label: str, source: str) -> Item:
     """A GGUF file another tool or a browser left, unless it is no model of its own."""
+    if not _is_text(str(path)):
+        return Skipped(path, "its name is not valid text, so it cannot be imported by name")
     if path.name.lower().startswith("mmproj"):
         return Skipped(path, "a vision projector, not a language model")
     part = _SPLIT_PART.search(path.name)
@@ -265,6 +274,16 @@ def _gguf_item(path: Path, label: str, name: str, source: str) -> Item:
     if magic != _GGUF_MAGIC:
         return Skipped(path, "not a GGUF file")
     return FoundModel(_library_name(name), label, source, GGUF, path, size)
+
+
+def _is_text(name: str) -> bool:
+    """Whether a file name is text (bytes that are not UTF-8 come as lone surrogates,
+    which do not survive the window's strings)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _mlx_item(folder: Path, label: str, name: str, source: str) -> Item:

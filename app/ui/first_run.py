@@ -36,8 +36,11 @@ def starter_gguf() -> Path | None:
         str(paths.downloads_dir() / STARTER_FILE),
     ]
     for name in candidates:
-        if name and Path(name).is_file():
-            return Path(name)
+        try:
+            if name and Path(name).is_file():
+                return Path(name)
+        except OSError:  # a folder the system will not let us look in (a Mac's Downloads)
+            continue
     return None
 
 

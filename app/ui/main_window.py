@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the fi
 COUNT_AFTER_MS = 300
 # Enter pressed while a reply is written: why nothing was sent (a new-user walk).
 HELD = "A reply is being written: your message waits here until it ends (Esc stops it)"
+HELD_BY_ADD = "A model is being added: your message waits here until that ends"
 
 
 class MainWindow(QMainWindow):
@@ -85,6 +86,8 @@ class MainWindow(QMainWindow):
         self.generating = False
         self._boxes_up: set[str] = set()  # the failures a box on screen says
         self._load_failure = ""  # why the model last asked for did not load, until one does
+        self._turn_behind_load = False  # the turn asked for waits on a model load
+        self._turn_asked = False  # busy with a turn (not adding a model), until it ends
         self.library_open = False  # the Models dialog is up (menus.open_models)
 
         self.sidebar = Sidebar()
@@ -229,7 +232,9 @@ class MainWindow(QMainWindow):
         self.meter.new_chat_requested.connect(self.turns.send_in_new_chat)
         self.composer.send_requested.connect(self.drafts.forget)
         self.composer.send_requested.connect(self.turns.send)
-        self.composer.send_held.connect(lambda: self.status.say_while_busy(HELD))
+        self.composer.send_held.connect(
+            lambda: self.status.say_while_busy(HELD if self._turn_asked else HELD_BY_ADD)
+        )
         self.composer.edit_requested.connect(self.turns.edit_sent)
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
         self.composer.stop_requested.connect(worker.stop, Qt.ConnectionType.DirectConnection)
@@ -276,7 +281,7 @@ class MainWindow(QMainWindow):
     def on_model_added(self, name: str, why: str) -> None:
         """A model came into the library (the Models dialog's import or download, which
         may end after the dialog is closed): the toolbar lists it, and loads it where
-        the window has none in and none coming."""
+        the window has none in and none coming, as if picked."""
         if not name:
             self.status.on_failed(why)
             if not self.library_open:  # else the Models dialog says it, where it was asked
@@ -284,7 +289,7 @@ class MainWindow(QMainWindow):
             return
         self.refresh_models()
         if not self.models.ready and self.models.awaited is None:
-            self.load_chosen_model()
+            self.on_model_picked(name)  # the one just added (the chosen one may not load)
 
     @Slot(str, str)
     def on_model_loaded(self, name: str, compute: str) -> None:
@@ -417,12 +422,16 @@ class MainWindow(QMainWindow):
         The message box is Stop from now too: a second Enter while the model loads sent
         a second turn, and Stop then was not heard."""
         self.generating = True
+        self._turn_asked = True
+        self._turn_behind_load = self.models.awaited is not None and not self.models.ready
         self.composer.set_generating(True)
         self.engine.worker.arm()
 
     @Slot(bool)
     def on_busy(self, busy: bool) -> None:
         self.generating = busy
+        if not busy:
+            self._turn_asked = False
         self.composer.set_generating(busy)
         self.status.on_busy(busy)
         if not busy:
@@ -468,16 +477,22 @@ class MainWindow(QMainWindow):
     def on_failed(self, message: str) -> None:
         """The failure in the status bar and in a box, one box a failure: a message sent
         while a model loads is answered by a turn that loads it again, and fails as the
-        load did (that one waits in the status bar); nor a second box over one that
-        says the same."""
+        load did (that one is said in the status bar only; a message sent later gets its
+        box); nor a second box over one that says the same."""
         loading = self.models.awaited is not None and not self.models.ready
         self.status.on_failed(message)
         self.models.show_failed()
         if loading:
             self._load_failure = message
-        elif message == self._load_failure:
+        elif message == self._load_failure and self._turn_behind_load:
+            self._turn_behind_load = False  # that turn's, once: a later send gets its box
             return
         self._warn(message)
+
+    @property
+    def load_failed(self) -> bool:
+        """The model last asked for did not load (and none has since, nor been picked)."""
+        return bool(self._load_failure)
 
     def _warn(self, message: str) -> None:
         """A warning box, unless one on screen says the same already."""

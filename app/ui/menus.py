@@ -105,8 +105,8 @@ def open_models(window: MainWindow) -> None:
         window.library_open = False
         dialog.deleteLater()  # kept, hidden, it would go on answering the worker's signals
     window.refresh_models()
-    if not window.models.ready and window.models.awaited is None:
-        window.load_chosen_model()  # the library's first model, say (or one added since)
+    if not (window.models.ready or window.models.awaited or window.load_failed):
+        window.load_chosen_model()  # the library's first model, say
 
 
 def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable[[], None]]]]:

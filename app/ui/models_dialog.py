@@ -3,6 +3,8 @@ hub, and the models other tools keep on this computer (imported, or used in plac
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -108,8 +110,9 @@ class ModelsDialog(QDialog):
         )
         if not path:
             return
-        if not _starts_as_gguf(Path(path)):  # said before a name is asked for (new-user walk)
-            self.message.setText(f"{Path(path).name} is not a GGUF file: nothing was added.")
+        problem = _not_gguf(Path(path))  # said before a name is asked for (new-user walk)
+        if problem is not None:
+            self.message.setText(f"{problem}: nothing was added.")
             return
         name = asking.model_name(self, suggested_name(Path(path)))
         if name is not None:
@@ -188,10 +191,17 @@ class ModelsDialog(QDialog):
             self.find_requested.emit()
 
 
-def _starts_as_gguf(path: Path) -> bool:
-    """Whether the file begins as every GGUF file does (the importer checks the rest)."""
+def _not_gguf(path: Path) -> str | None:
+    """Why `path` is no GGUF file to import (None: it begins as every GGUF does; the
+    importer checks the rest): never waiting on a pipe named .gguf."""
     try:
-        with path.open("rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return f"{path.name} is not a regular file"
+            magic = os.read(fd, 4)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"{path.name} could not be read ({exc.strerror or exc})"
+    return None if magic == b"GGUF" else f"{path.name} is not a GGUF file"
