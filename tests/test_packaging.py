@@ -130,6 +130,8 @@ def test_the_first_start_offers_the_starter_model_from_downloads(qtbot, tmp_path
     assert first_run.needs_first_run()  # the test's models folder is empty
     monkeypatch.delenv("REPRISE_STARTER_GGUF", raising=False)
     monkeypatch.delenv("REPRISE_DOWNLOADS_DIR")  # the platform's: ~/Downloads here
+    for xdg in ("XDG_DOWNLOAD_DIR", "XDG_CONFIG_HOME"):  # whatever the machine says
+        monkeypatch.delenv(xdg, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert first_run.starter_gguf() is None
     (tmp_path / "Downloads").mkdir()
