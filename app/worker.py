@@ -204,11 +204,15 @@ class EngineWorker(QObject):
         and the window)."""
         self.busy_changed.emit(True)
         added: list[str] = []
-        why: str | None = "Nothing was added"  # if an exception gets past `_failure`
+
+        def add() -> None:
+            added.append(task().name)
+
+        why = "Nothing was added"  # if an exception gets past `_failure`
         try:
-            why = self._failure("Adding the model", lambda: added.append(task().name), tell=False)
+            why = self._failure("Adding the model", add, tell=False) or ""
         finally:
-            self.model_added.emit(added[0] if added else "", "" if added else why or "")
+            self.model_added.emit(added[0] if added else "", why)
             self.busy_changed.emit(False)
 
     # -- turns -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -261,19 +262,36 @@ def _gguf_file(path: Path, label: str, source: str) -> Item:
 
 def _gguf_item(path: Path, label: str, name: str, source: str) -> Item:
     """A GGUF file worth offering: it is a readable file that starts as GGUF does."""
-    try:
-        if not path.exists():
-            return Skipped(path, "missing (or a link to nowhere)")
-        if not path.is_file():  # a pipe or a device would block or never end
-            return Skipped(path, "not a regular file")
-        with path.open("rb") as f:
-            magic = f.read(4)
-        size = path.stat().st_size
-    except OSError as exc:
-        return Skipped(path, f"could not be read ({exc.strerror or exc})")
-    if magic != _GGUF_MAGIC:
-        return Skipped(path, "not a GGUF file")
+    problem = gguf_file_problem(path)
+    if problem is None:
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            problem = f"unreadable ({exc.strerror or exc})"
+    if problem is not None:
+        return Skipped(path, problem)
     return FoundModel(_library_name(name), label, source, GGUF, path, size)
+
+
+def gguf_file_problem(path: Path) -> str | None:
+    """Why `path` is no GGUF file to import (None: a regular file that begins as every
+    GGUF file does; the importer checks the rest), in words that follow its name ("x.gguf
+    is …"). Opened without waiting: a pipe named .gguf would wait for a writer forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return "missing (or a link to nowhere)"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "not a regular file"
+        magic = os.read(fd, len(_GGUF_MAGIC))
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+    return None if magic == _GGUF_MAGIC else "not a GGUF file"
 
 
 def _is_text(name: str) -> bool:

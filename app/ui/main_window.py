@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QByteArray, Qt, QTimer, Signal, Slot
+from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (
     QMainWindow,
     QMessageBox,
@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
 from app import __version__
 from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
-from app.ui import asking, theme
+from app.ui import asking, theme, window_place
 from app.ui.chat_header import ChatHeader
 from app.ui.chat_settings import chat_settings
 from app.ui.chat_view import ChatView
@@ -35,7 +35,7 @@ from app.ui.sidebar import Sidebar
 from app.ui.turn_flow import TurnFlow
 from app.ui.turn_status import TurnStatus
 from app.worker import NEW_CONVERSATION, NO_MODELS, WorkerThread
-from sessions import paths, window_state
+from sessions import paths
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
@@ -101,7 +101,7 @@ class MainWindow(QMainWindow):
         self._count_soon = QTimer(self, singleShot=True, interval=COUNT_AFTER_MS)
         self.models = ModelBar()
         self._build_layout()
-        self._left = self._restore_place()
+        left = window_place.restore(self)  # where it was, and the chat it showed
         theme.follow(self.chat, self.preferences().theme)
         self.status = TurnStatus(self.statusBar())
         self.turns = TurnFlow(self)
@@ -113,7 +113,7 @@ class MainWindow(QMainWindow):
         self.refresh_sidebar()
         chats = self.store.list()  # the most recently used first
         self.drafts.prune({chat.id for chat in chats})
-        self.show_conversation(self._chat_left_open([chat.id for chat in chats]))
+        self.show_conversation(window_place.chat_left_open(left, [c.id for c in chats]))
         self.composer.edit.setFocus()  # open ready to type
         self.load_chosen_model()
 
@@ -153,36 +153,6 @@ class MainWindow(QMainWindow):
         self.splitter.setSizes([260, 840])
         self.setCentralWidget(self.splitter)
         self.addToolBar(self.models)
-
-    def _restore_place(self) -> dict[str, str]:
-        """Where the window was when it last closed, and the sidebar's width (a state
-        Qt cannot use, from another screen or a damaged file, is let go); the state."""
-        state = window_state.load(paths.data_dir() / window_state.FILE_NAME)
-        for name, restore in (
-            ("geometry", self.restoreGeometry),
-            ("splitter", self.splitter.restoreState),
-        ):
-            if name in state:
-                restore(QByteArray.fromBase64(state[name].encode("ascii")))
-        return state
-
-    def _chat_left_open(self, chats: list[int]) -> int | None:
-        """The chat on screen when the window last closed, if it is still there; else
-        the one most recently written to (found on a new-user walk: a chat read, not
-        written to, gave way at the next start to one with newer messages)."""
-        left = self._left.get("conversation", "")
-        if left.isdigit() and int(left) in chats:
-            return int(left)
-        return chats[0] if chats else None
-
-    def _keep_place(self) -> None:
-        state = {
-            "geometry": self.saveGeometry().toBase64().data().decode("ascii"),
-            "splitter": self.splitter.saveState().toBase64().data().decode("ascii"),
-        }
-        if self.conversation_id is not None:
-            state["conversation"] = str(self.conversation_id)
-        window_state.save(paths.data_dir() / window_state.FILE_NAME, state)
 
     def _wire(self) -> None:
         """Every connection to and from the worker, in one place. Each handler of a
@@ -423,7 +393,7 @@ class MainWindow(QMainWindow):
         a second turn, and Stop then was not heard."""
         self.generating = True
         self._turn_asked = True
-        self._turn_behind_load = self.models.awaited is not None and not self.models.ready
+        self._turn_behind_load = self.models.load_pending
         self.composer.set_generating(True)
         self.engine.worker.arm()
 
@@ -479,7 +449,7 @@ class MainWindow(QMainWindow):
         while a model loads is answered by a turn that loads it again, and fails as the
         load did (that one is said in the status bar only; a message sent later gets its
         box); nor a second box over one that says the same."""
-        loading = self.models.awaited is not None and not self.models.ready
+        loading = self.models.load_pending  # before `show_failed` ends it
         self.status.on_failed(message)
         self.models.show_failed()
         if loading:
@@ -538,6 +508,6 @@ class MainWindow(QMainWindow):
         """Keep the draft and where the window is, stop a reply, let the worker finish
         its save, then go."""
         self.drafts.keep()
-        self._keep_place()
+        window_place.keep(self)
         wait_for_worker(self.engine, self)
         event.accept()

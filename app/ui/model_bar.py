@@ -49,6 +49,11 @@ class ModelBar(QToolBar):
     def current(self) -> str:
         return self.picker.currentText()
 
+    @property
+    def load_pending(self) -> bool:
+        """A model was asked for and is not in yet."""
+        return self.awaited is not None and not self.ready
+
     def show_loading(self, name: str) -> None:
         self.ready = False
         self.awaited = name

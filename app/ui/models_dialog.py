@@ -3,8 +3,6 @@ hub, and the models other tools keep on this computer (imported, or used in plac
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -23,6 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.engine import models
+from app.engine.found import gguf_file_problem
 from app.ui import asking
 from app.ui.first_run import suggested_name
 from app.ui.found_list import FoundList
@@ -110,9 +109,9 @@ class ModelsDialog(QDialog):
         )
         if not path:
             return
-        problem = _not_gguf(Path(path))  # said before a name is asked for (new-user walk)
+        problem = gguf_file_problem(Path(path))  # before a name is asked for (new-user walk)
         if problem is not None:
-            self.message.setText(f"{problem}: nothing was added.")
+            self.message.setText(f"{Path(path).name} is {problem}: nothing was added.")
             return
         name = asking.model_name(self, suggested_name(Path(path)))
         if name is not None:
@@ -189,19 +188,3 @@ class ModelsDialog(QDialog):
             models.delete(name, paths.models_dir())
             self.refresh()
             self.find_requested.emit()
-
-
-def _not_gguf(path: Path) -> str | None:
-    """Why `path` is no GGUF file to import (None: it begins as every GGUF does; the
-    importer checks the rest): never waiting on a pipe named .gguf."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return f"{path.name} is not a regular file"
-            magic = os.read(fd, 4)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        return f"{path.name} could not be read ({exc.strerror or exc})"
-    return None if magic == b"GGUF" else f"{path.name} is not a GGUF file"

@@ -136,9 +136,9 @@ class TurnStatus(QObject):
         self._figures = ("", "")  # the last reply's, and the KV choice its cache was in
         self._chosen = ""  # the chat's KV choice for its next reply (`next_kv`)
         self._changed_kv = ""  # that choice, where it changed since the last reply
-        # What the bar said of the turn's cache, until the reply begins (`on_first_text`).
-        self._restore: RestoreInfo | None = None
-        self._said_restore = self._said_restore_read = ""
+        # What the bar says of the turn's cache until the reply begins, and then
+        # (`on_first_text`); ("", "") once said, or on a chat's first turn.
+        self._restore_said: tuple[str, str] = ("", "")
 
     def begin(self) -> None:
         self._clock.start()
@@ -217,9 +217,10 @@ class TurnStatus(QObject):
         if self._slow_start.isActive() or self.progress.maximum() == 0:
             self._slow_start.stop()
             self.progress.hide()
-        if self._restore is not None and self.message.text() == self._said_restore:
-            self.message.setText(self._said_restore_read)
-        self._restore = None
+        before, after = self._restore_said
+        if before and self.message.text() == before:
+            self.message.setText(after)
+        self._restore_said = ("", "")
 
     @Slot(int, int)
     def on_prompt_progress(self, done: int, total: int) -> None:
@@ -234,10 +235,11 @@ class TurnStatus(QObject):
 
     def on_restored(self, info: RestoreInfo, first_turn: bool) -> None:
         said = (info.source, info.tokens, info.seconds, info.prompt_tokens, info.held_tokens)
-        self._restore = None if first_turn else info
-        self._said_restore = "" if first_turn else restore_text(*said)
-        self._said_restore_read = restore_text(*said, read=True)
-        self.message.setText(self._said_restore)
+        if first_turn:
+            self._restore_said = ("", "")
+        else:
+            self._restore_said = (restore_text(*said), restore_text(*said, read=True))
+        self.message.setText(self._restore_said[0])
 
     def on_prefetched(self, info: RestoreInfo, has_messages: bool = True) -> None:
         """The selected chat's cache is in memory: its next reply starts at once; or it
