@@ -67,8 +67,12 @@ run: setup
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
 
+# The suite on every core (at most 4: each worker loads its own models), then the few
+# tests that measure the machine's load or write into the checkout, alone.
+TEST_ENV := REPRISE_STARTER_GGUF=$(abspath $(STARTER_GGUF))
 test: setup lint
-	REPRISE_STARTER_GGUF=$(abspath $(STARTER_GGUF)) $(BIN)/python -m pytest
+	$(TEST_ENV) $(BIN)/python -m pytest -m "not alone" --numprocesses auto --maxprocesses 4
+	$(TEST_ENV) $(BIN)/python -m pytest -m alone
 
 # The Linux bundle (packaging/linux/): PyInstaller one folder, wrapped as an AppImage
 # when appimagetool is installed, else a .deb (dpkg-deb). Output in dist/.

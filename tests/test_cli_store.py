@@ -68,6 +68,41 @@ def test_conversations_and_cache_commands(tiny_model_dir, tmp_path):
     assert json.loads(reprise("cache", "ls", "--json").stdout)["chunks"] == 0
 
 
+READ_ONLY_COMMANDS = [
+    ["conversations", "list"],
+    ["conversations", "show", "1"],
+    ["conversations", "search", "pelican"],
+    ["conversations", "export", "1"],
+    ["cache", "ls"],
+    ["cache", "verify"],
+]
+LOADED_AFTER = """import sys
+from app.cli import main
+code = main(sys.argv[1:])
+print(code, sorted(m for m in ("mlx.core", "mlx_lm", "transformers") if m in sys.modules))
+"""
+
+
+def test_what_only_reads_the_store_starts_without_the_model_libraries(tiny_model_dir):
+    """Reading what is stored waits for no mlx-lm import (about 0.8 s of a 1.0 s run)."""
+    made = reprise(
+        "chat",
+        "--model",
+        str(tiny_model_dir),
+        "--conversation",
+        "new",
+        "--max-tokens",
+        "2",
+        "pelican",
+    )
+    assert made.returncode == 0, made.stderr
+    for command in READ_ONLY_COMMANDS:
+        done = subprocess.run(
+            [sys.executable, "-c", LOADED_AFTER, *command], capture_output=True, text=True
+        )
+        assert done.stdout.splitlines()[-1] == "0 []", (command, done.stdout, done.stderr)
+
+
 def test_cache_verify_fails_loudly_on_a_damaged_file(tiny_model_dir):
     reprise(
         "chat",

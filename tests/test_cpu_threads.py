@@ -13,10 +13,13 @@ from app.engine import cpu_blas, cpu_threads
 from app.engine.chat import ChatSession
 from app.engine.generation import TurnFinished
 
-pytestmark = pytest.mark.skipif(
-    cpu_threads.sample() is None or cpu_blas.threads() is None,
-    reason="needs /proc/stat and OpenBLAS",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        cpu_threads.sample() is None or cpu_blas.threads() is None,
+        reason="needs /proc/stat and OpenBLAS",
+    ),
+    pytest.mark.alone,  # another test beside it is load it would count
+]
 
 
 def busy_process() -> subprocess.Popen:

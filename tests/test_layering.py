@@ -8,6 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# One test writes a probe module into the checkout, which a test beside it could pick up.
+pytestmark = pytest.mark.alone
+
 ROOT = Path(__file__).parents[1]
 LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 

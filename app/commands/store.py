@@ -8,10 +8,17 @@ import sys
 from pathlib import Path
 
 from app.commands.terminal_text import terminal_safe
-from app.service.chat import ChatService
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
+
+
+def _chat_service(db):
+    """The service, for the commands that write: imported here, as it loads mlx-lm
+    (about 0.8 s), which listing, showing and searching never need."""
+    from app.service.chat import ChatService
+
+    return ChatService(db)
 
 
 def conversations(args: argparse.Namespace) -> int:
@@ -42,12 +49,12 @@ def conversations(args: argparse.Namespace) -> int:
             print(f"{conversation.id:5}  {title:30}  {message.role}: {snippet}")
         return 0 if hits else 1
     if command == "delete":
-        ChatService(store.db).delete(args.id)
+        _chat_service(store.db).delete(args.id)
         print(f"Deleted conversation {args.id}")
         return 0
     if command == "export":
         if args.output:
-            ChatService(store.db).export_text(args.id, args.format, Path(args.output))
+            _chat_service(store.db).export_text(args.id, args.format, Path(args.output))
         else:
             text = store.export(args.id, args.format)
             # Exact when redirected to a file or a pipe; made safe only for a terminal.
@@ -95,11 +102,11 @@ def cache(args: argparse.Namespace) -> int:
             print(f"{count} files checked, {len(bad)} bad")
         return 1 if bad else 0
     if command == "gc":
-        removed = ChatService(db).collect_garbage()
+        removed = _chat_service(db).collect_garbage()
         print(", ".join(f"{v} {k.replace('_', ' ')}" for k, v in removed.items()))
         return 0
     if command == "export":
-        exported = ChatService(db).export_cache(args.id, Path(args.out))
+        exported = _chat_service(db).export_cache(args.id, Path(args.out))
         print(
             f"Wrote {exported.tokens} tokens of KV cache to {exported.path}"
             + (
