@@ -17,6 +17,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import app.engine  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 import tiny
+from app.engine import cpu_threads
+
+# One BLAS thread count for every turn of the run, subprocesses included: each worker
+# its share of the cores. The count the engine picks from the machine's load changes
+# its sums in the last bit, and beside other workers that load changes from turn to
+# turn; two chats with the same words share cache files, and a test comparing them bit
+# for bit would compare two computations (tests/test_cpu_threads.py tests the choice).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("REPRISE_BLAS_THREADS", str(max(1, cpu_threads.cores() // _WORKERS)))
 
 # The window's fixtures (`library`, `open_window`) for every GUI test file; where Qt
 # is not installed (the GPU machines), the engine's tests run without them.

@@ -22,6 +22,12 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def load_chooses_the_count(monkeypatch):
+    """What these tests test, which the suite's fixed count (conftest) would override."""
+    monkeypatch.delenv("REPRISE_BLAS_THREADS", raising=False)
+
+
 def busy_process() -> subprocess.Popen:
     """A process that keeps one core busy until it is killed."""
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
