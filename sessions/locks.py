@@ -46,8 +46,23 @@ def lock_path(conversation_id: int, data_dir: Path | None = None) -> Path:
     )
 
 
+class HeldLock:
+    """A conversation's writer lock, held for the length of a `with` block."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def discard(self) -> None:
+        """For a conversation being deleted: its lock file goes now, the lock itself at
+        the end of the block. (A writer that opens the name afterwards makes a new file,
+        and finds no conversation to write to.) A file that cannot go is left: it is
+        harmless, and the deletion itself is done."""
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
 @contextlib.contextmanager
-def conversation_lock(conversation_id: int, data_dir: Path | None = None) -> Iterator[None]:
+def conversation_lock(conversation_id: int, data_dir: Path | None = None) -> Iterator[HeldLock]:
     """Hold the conversation's writer lock for the block, or raise `ConversationBusy`.
 
     The lock is per open file, so it also keeps out a second writer in this process.
@@ -66,7 +81,7 @@ def conversation_lock(conversation_id: int, data_dir: Path | None = None) -> Ite
         with storage_errors(path):
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
+        yield HeldLock(path)
     finally:
         os.close(fd)  # releases the lock
 

@@ -14,7 +14,7 @@ from app.service.preferences import Preferences
 from sessions import paths
 from sessions.conversations import NotFound
 from sessions.db import open_db
-from sessions.locks import ConversationBusy, conversation_lock
+from sessions.locks import ConversationBusy, conversation_lock, lock_path
 
 
 @pytest.fixture
@@ -87,6 +87,8 @@ def test_delete_removes_the_conversation_and_only_its_files(service):
         service.store.get(gone)
     assert service.index.conversation(gone) is None
     assert files_on_disk(service) == kept_files
+    # A chat that was written to leaves a lock file; a deleted one leaves nothing behind.
+    assert lock_path(kept).exists() and not lock_path(gone).exists()
 
 
 def test_clear_caches_keeps_every_message(service):

@@ -235,8 +235,8 @@ class ChatService:
         self.store.select_branch(conversation_id, message_id)
 
     def delete(self, conversation_id: int) -> None:
-        """The conversation, its messages, and the cache files only it used."""
-        with conversation_lock(conversation_id):
+        """The conversation, its messages, the cache files only it used, and its lock file."""
+        with conversation_lock(conversation_id) as lock:
             entry = self.index.conversation(conversation_id)
             self.store.delete(conversation_id)
             if self.engine is not None:
@@ -244,6 +244,7 @@ class ChatService:
             if entry is not None:  # now, not at the next gc: they are known to be its own
                 self.index.release(set(entry.all_keys))
             self.index.collect_garbage()
+            lock.discard()
 
     # -- caches -----------------------------------------------------------------------
 
