@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import random
+from dataclasses import replace
 from pathlib import Path
 
 from app.engine.chat import ChatSession
 from app.engine.evaluate import perplexity
 from app.engine.generation import SamplingSettings, TextDelta, TurnFinished
 from app.engine.steps import common_prefix_length
+from app.service.preferences import Preferences
 
 TEXT = Path(__file__).parents[1] / "resources/text/ordinary-english.txt"
 GREEDY = SamplingSettings.greedy(48)
@@ -25,6 +28,25 @@ def test_greedy_answer_names_paris(starter_model):
     )
     assert "Paris" in finished.text
     assert finished.stats.finish_reason == "stop"
+
+
+def repeats(text: str, words: int = 8) -> int:
+    """How often the reply's most repeated run of `words` words occurs in it."""
+    split = text.split()
+    runs = collections.Counter(tuple(split[i : i + words]) for i in range(len(split) - words + 1))
+    return max(runs.values(), default=0)
+
+
+def test_a_poem_ends_instead_of_looping_with_the_default_settings(starter_model):
+    """A new user's first request: with the penalty off, the greedy poem repeats one line
+    of eight words 14 times and runs to the limit."""
+    sampling = replace(Preferences().turn_options().sampling, temperature=0.0, max_tokens=300)
+    finished = reply(
+        ChatSession(starter_model),
+        [{"role": "user", "content": "Write a short poem about the sea."}],
+        sampling=sampling,
+    )
+    assert finished.stats.finish_reason == "stop" and repeats(finished.text) < 3, finished.text
 
 
 def test_perplexity_on_ordinary_english_is_that_of_a_working_model(starter_model):

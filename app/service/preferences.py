@@ -40,7 +40,9 @@ class Preferences:
     temperature: float = 0.7
     top_p: float = 0.95
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    # Off (1.0), the starter model loops: 4 of 24 sampled replies and its greedy poem;
+    # 1.1, none (docs/probes/repetition_probe.py). Ollama and LM Studio start at 1.1 too.
+    repetition_penalty: float = 1.1
     max_tokens: int = 1024
     seed: int | None = None  # a terminal flag; the window samples freely
     kv_bits: int | None = None
