@@ -416,13 +416,18 @@ def test_enter_while_a_model_is_added_says_so_not_that_a_reply_is_written(
     qtbot, open_window, monkeypatch, tiny_model_dir
 ):
     """Review: during a download left running behind the closed Models dialog, Enter
-    said "A reply is being written … (Esc stops it)", and Esc then cancelled the download."""
+    said "A reply is being written … (Esc stops it)", and Esc then cancelled the download.
+    New-user walk: the message box's button was Stop, and another chat could not be
+    opened ("A reply is being written here"), though no reply was."""
     from hub_server import FakeHub
 
     from app.ui.main_window import HELD_BY_ADD
     from app.ui.menus import open_models
     from app.ui.models_dialog import ModelsDialog
+    from sessions.conversations import ConversationStore
+    from sessions.db import open_db
 
+    other = ConversationStore(open_db()).create("SmolLM2-135M-Instruct")
     window = open_window()
     with FakeHub({"mlx-community/tiny": tiny_model_dir}, seconds_per_block=0.05) as hub:
         monkeypatch.setenv("REPRISE_HF_ENDPOINT", hub.endpoint)
@@ -438,5 +443,11 @@ def test_enter_while_a_model_is_added_says_so_not_that_a_reply_is_written(
         window.composer.edit.setPlainText("Hello?")
         window.composer.edit.submitted.emit()
         assert window.status.message.text() == HELD_BY_ADD
+        button = window.composer.button
+        assert (button.text(), button.isEnabled()) == ("Send", False)
+        window.show_conversation(other.id)  # as a click in the sidebar
+        assert window.conversation_id == other.id
         qtbot.waitUntil(lambda: "tiny" in window.models.names(), timeout=60_000)
     assert window.composer.edit.toPlainText() == "Hello?"
+    qtbot.waitUntil(lambda: not window.generating, timeout=60_000)
+    assert (button.text(), button.isEnabled()) == ("Send", True)

@@ -7,6 +7,8 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent, QTextCursor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
+ADDING_TIP = "A model is being added: send your message when that ends"
+
 
 class MessageEdit(QPlainTextEdit):
     submitted = Signal()
@@ -23,7 +25,7 @@ class Composer(QWidget):
     send_requested = Signal(str)
     edit_requested = Signal(int, str)  # a sent message, and its new text
     stop_requested = Signal()
-    send_held = Signal()  # Enter while a reply is written: the text waits in the box
+    send_held = Signal()  # Enter while a reply is written or a model added: the text waits
 
     def __init__(self) -> None:
         super().__init__()
@@ -43,6 +45,7 @@ class Composer(QWidget):
         layout.addWidget(self.banner)
         layout.addLayout(row)
         self.generating = False
+        self.waiting = False
         self.editing: int | None = None  # the message being edited
         self._original = ""  # its text before the edit
         self._draft = ""  # what was typed before the edit began
@@ -54,6 +57,13 @@ class Composer(QWidget):
         self.button.setText("Stop" if generating else "Send")
         if not generating and self.button.hasFocus():  # a click on Stop left it there
             self.edit.setFocus()
+
+    def set_waiting(self, waiting: bool) -> None:
+        """While a model is being added: Send waits (greyed out), and Enter keeps the
+        text in the box; the button is no Stop, as there is no reply to stop."""
+        self.waiting = waiting
+        self.button.setEnabled(not waiting)
+        self.button.setToolTip(ADDING_TIP if waiting else "")
 
     def begin_edit(self, message_id: int, text: str) -> None:
         """Put a sent message here to be rewritten; the draft waits until it is done."""
@@ -92,9 +102,10 @@ class Composer(QWidget):
 
     def send(self) -> None:
         text = self.edit.toPlainText().strip()
-        if text and self.generating:
+        busy = self.generating or self.waiting
+        if text and busy:
             self.send_held.emit()
-        if not text or self.generating:
+        if not text or busy:
             return
         if self.editing is not None:
             message_id, changed = self.editing, text != self._original.strip()

@@ -49,7 +49,9 @@ if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the fi
 COUNT_AFTER_MS = 300
 # Enter pressed while a reply is written: why nothing was sent (a new-user walk).
 HELD = "A reply is being written: your message waits here until it ends (Esc stops it)"
-HELD_BY_ADD = "A model is being added: your message waits here until that ends"
+HELD_BY_ADD = (
+    "A model is being added: your message waits here until that ends (Esc cancels a download)"
+)
 
 
 class MainWindow(QMainWindow):
@@ -203,7 +205,7 @@ class MainWindow(QMainWindow):
         self.composer.send_requested.connect(self.drafts.forget)
         self.composer.send_requested.connect(self.turns.send)
         self.composer.send_held.connect(
-            lambda: self.status.say_while_busy(HELD if self._turn_asked else HELD_BY_ADD)
+            lambda: self.status.say_while_busy(HELD if self.replying else HELD_BY_ADD)
         )
         self.composer.edit_requested.connect(self.turns.edit_sent)
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
@@ -283,13 +285,13 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def new_chat(self) -> None:
-        if not self.generating:
+        if not self.replying:
             self.show_conversation(None)
             self.composer.edit.setFocus()
 
     @Slot(int)
     def show_conversation(self, conversation_id: int | None) -> None:
-        if self.generating:
+        if self.replying:
             self._stay_while_replying()
             return
         self.drafts.swap(conversation_id)
@@ -306,7 +308,7 @@ class MainWindow(QMainWindow):
     @Slot(int, int)
     def show_match(self, conversation_id: int, message_id: int) -> None:
         """A search result on a hidden branch: the chat, switched to that branch."""
-        if self.generating:
+        if self.replying:
             self._stay_while_replying()
             return
         self.show_conversation(conversation_id)
@@ -397,12 +399,19 @@ class MainWindow(QMainWindow):
         self.composer.set_generating(True)
         self.engine.worker.arm()
 
+    @property
+    def replying(self) -> bool:
+        """A turn was asked for and has not ended: its chat stays on screen. (The worker
+        is busy with it; `generating` is also true while a model is being added.)"""
+        return self._turn_asked
+
     @Slot(bool)
     def on_busy(self, busy: bool) -> None:
         self.generating = busy
         if not busy:
             self._turn_asked = False
-        self.composer.set_generating(busy)
+        self.composer.set_generating(self.replying)
+        self.composer.set_waiting(busy and not self.replying)
         self.status.on_busy(busy)
         if not busy:
             self.meter.end_reply()
