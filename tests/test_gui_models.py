@@ -183,8 +183,10 @@ def test_found_models_are_imported_or_used_in_place_then_chatted_with(
     installed = {dialog.table.topLevelItem(i).text(0): i for i in range(2)}
     assert sorted(installed) == ["tiny-4bit", "tiny:latest"]
     linked = dialog.table.topLevelItem(installed["tiny-4bit"])
-    assert linked.text(2) == "in place" and "tokens of context" in linked.text(3)
-    assert dialog.table.headerItem().text(3) == "Weights"  # the long one last, in view or not
+    header = [dialog.table.headerItem().text(c) for c in range(dialog.table.columnCount())]
+    assert header == ["Name", "Size", "Context", "Source", "Architecture"]
+    assert linked.text(3) == "in place" and linked.text(2).endswith(" tokens")
+    assert linked.text(1).endswith(" GB") and linked.toolTip(1).startswith("Weights: ")
     qtbot.waitUntil(lambda: not dialog.found.button(0).isEnabled(), timeout=30_000)
     assert dialog.found.button(0).text() == "Installed"
 

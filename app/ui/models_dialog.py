@@ -40,8 +40,9 @@ class ModelsDialog(QDialog):
         self.setWindowTitle("Models")
         self.resize(820, 560)
         self.table = QTreeWidget()
-        # The weights' account, the longest, last: the columns before it stay in view.
-        self.table.setHeaderLabels(["Name", "Architecture", "Source", "Weights"])
+        # What a user chooses by first; how the weights are stored is each row's tooltip
+        # (a new user's walk stopped at "Q4_1 as 4-bit (exact)" in a column of its own).
+        self.table.setHeaderLabels(["Name", "Size", "Context", "Source", "Architecture"])
         self.table.setRootIsDecorated(False)
         self.found = FoundList()
         self.progress = QProgressBar()
@@ -94,11 +95,14 @@ class ModelsDialog(QDialog):
         self.table.clear()
         for m in models.list_models(paths.models_dir()):
             shown = f"{m.name} (in use)" if m.name == self.in_use else m.name
-            item = QTreeWidgetItem([shown, m.architecture, m.source, m.weights])
+            context = f"{m.context_length:,} tokens" if m.context_length else "unknown"
+            size = f"{m.size_bytes / 1e9:.2f} GB"
+            item = QTreeWidgetItem([shown, size, context, m.source, m.architecture])
             item.setData(0, Qt.ItemDataRole.UserRole, m.name)
-            item.setToolTip(3, m.weights)  # whole, where the column cuts it
+            for column in range(item.columnCount()):
+                item.setToolTip(column, f"Weights: {m.weights}")
             if m.in_place:
-                item.setToolTip(2, f"Used in place from {m.in_place}; Delete removes only the link")
+                item.setToolTip(3, f"Used in place from {m.in_place}; Delete removes only the link")
             self.table.addTopLevelItem(item)
         for column in range(self.table.columnCount() - 1):
             self.table.resizeColumnToContents(column)

@@ -77,11 +77,13 @@ PERPLEXITY_NOISE = 0.01
 
 
 def _quality(change: float) -> str:
-    """A perplexity change in words: how much less sure the model is of each next word.
-    Within the measurement's noise it is no change (a -0.1% read as "better")."""
+    """A perplexity change in words, without the word (a new user's walk stopped at it):
+    how much less sure the model is of each next word. Within the measurement's noise it
+    is no change (a -0.1% read as "better")."""
     if abs(change) < PERPLEXITY_NOISE:
-        return "Answers stay the same as far as measured (perplexity within its ±1% noise)."
-    return f"Answers stay close: perplexity {change * 100:+.1f}% (how much less sure of each word)."
+        return "Answers stay the same as far as measured (within its 1% noise)."
+    surer = "less" if change > 0 else "more"
+    return f"Answers stay close: the model is {abs(change):.1%} {surer} sure of each next word."
 
 
 def _speed(ratio: float) -> str:
