@@ -451,3 +451,39 @@ def test_enter_while_a_model_is_added_says_so_not_that_a_reply_is_written(
     assert window.composer.edit.toPlainText() == "Hello?"
     qtbot.waitUntil(lambda: not window.generating, timeout=60_000)
     assert (button.text(), button.isEnabled()) == ("Send", True)
+
+
+def test_quitting_during_a_download_cancels_it_without_a_box(
+    qtbot, open_window, monkeypatch, tiny_model_dir
+):
+    """The download left running behind the closed Models dialog is cancelled by Quit:
+    the window goes, no box stops it, and nothing is kept. The wait said "Saving the
+    conversation…" where there was none to save."""
+    from hub_server import FakeHub
+
+    from app.ui import quitting
+    from app.ui.menus import open_models
+    from app.ui.models_dialog import ModelsDialog
+
+    window = open_window()
+    said = boxes_said(monkeypatch)
+    waiting_texts: list[str] = []
+    monkeypatch.setattr(
+        quitting.QProgressDialog, "show", lambda box: waiting_texts.append(box.labelText())
+    )
+    monkeypatch.setattr(quitting, "PROGRESS_AFTER_MS", 0)
+    with FakeHub({"mlx-community/tiny": tiny_model_dir}, seconds_per_block=0.05) as hub:
+        monkeypatch.setenv("REPRISE_HF_ENDPOINT", hub.endpoint)
+
+        def download_and_close(dialog):
+            dialog.start_download("mlx-community/tiny")
+            qtbot.waitUntil(lambda: "MB" in dialog.message.text(), timeout=60_000)
+            dialog.accept()
+
+        when_a_box_opens(download_and_close, kind=ModelsDialog)
+        open_models(window)
+        assert window.generating
+        window.close()
+    assert not window.engine.thread.isRunning()
+    assert said == [] and "Saving the conversation…" not in waiting_texts, (said, waiting_texts)
+    assert "tiny" not in window.models.names()

@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
 from app import __version__
 from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
-from app.ui import asking, theme, window_place
+from app.ui import asking, quitting, theme, window_place
 from app.ui.chat_header import ChatHeader
 from app.ui.chat_settings import chat_settings
 from app.ui.chat_view import ChatView
@@ -29,7 +29,6 @@ from app.ui.draft_keeper import DraftKeeper
 from app.ui.menus import build_menus
 from app.ui.model_bar import ModelBar
 from app.ui.preferences import kv_label
-from app.ui.quitting import wait_for_worker
 from app.ui.reading import rendered_messages, sidebar_entries
 from app.ui.sidebar import Sidebar
 from app.ui.turn_flow import TurnFlow
@@ -518,5 +517,6 @@ class MainWindow(QMainWindow):
         its save, then go."""
         self.drafts.keep()
         window_place.keep(self)
-        wait_for_worker(self.engine, self)
+        adding = self.generating and not self.replying  # an import cannot be stopped
+        quitting.wait_for_worker(self.engine, self, quitting.ADDING if adding else quitting.SAVING)
         event.accept()

@@ -9,8 +9,12 @@ from PySide6.QtWidgets import QApplication, QProgressDialog, QWidget
 from app.ui.turn_status import PROGRESS_AFTER_MS
 from app.worker import WorkerThread
 
+SAVING = "Saving the conversation…"
+ADDING = "Finishing adding the model…"
 
-def wait_for_worker(engine: WorkerThread, parent: QWidget) -> None:
+
+def wait_for_worker(engine: WorkerThread, parent: QWidget, what: str = SAVING) -> None:
+    """Stop what the worker does, and wait for it, saying `what` if that takes a while."""
     engine.worker.stop()
     engine.thread.quit()
     clock = QElapsedTimer()
@@ -18,7 +22,7 @@ def wait_for_worker(engine: WorkerThread, parent: QWidget) -> None:
     waiting = None
     while not engine.thread.wait(50):
         if waiting is None and clock.elapsed() > PROGRESS_AFTER_MS:
-            waiting = QProgressDialog("Saving the conversation…", "", 0, 0, parent)
+            waiting = QProgressDialog(what, "", 0, 0, parent)
             waiting.setCancelButton(None)
             waiting.setWindowModality(Qt.WindowModality.WindowModal)
             waiting.show()
