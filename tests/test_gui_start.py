@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import STARTER_NAME
 from gui_window import READY_MS, boxes_said, prefer, wait_reply, when_a_box_opens
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QMessageBox
 
 from app.ui.main_window import MainWindow
@@ -293,7 +293,8 @@ def test_a_model_whose_import_ends_after_the_dialog_closed_is_listed_and_loaded(
     qtbot, monkeypatch, tmp_path
 ):
     """Review: the Models dialog, closed while it imported, stayed alive hidden and took
-    the news; the window, with no model, never heard of the one that came."""
+    the news; the window, with no model, never heard of the one that came. New-user walk:
+    its status bar said "There is no model yet" all along, then the model was in."""
     import tiny
     from app.ui.menus import open_models
     from app.ui.models_dialog import ModelsDialog
@@ -309,11 +310,20 @@ def test_a_model_whose_import_ends_after_the_dialog_closed_is_listed_and_loaded(
         dialog.start_import(str(gguf), "tiny")
         dialog.accept()
 
+    said: list[str] = []
+    watch = QTimer(interval=5)  # what the status bar says, as the user would see it
+    watch.timeout.connect(
+        lambda: said[-1:] != [text := window.status.message.text()] and said.append(text)
+    )
+    watch.start()
     when_a_box_opens(import_and_close, kind=ModelsDialog)
     open_models(window)
     qtbot.waitUntil(lambda: window.models.ready, timeout=READY_MS)
     assert window.models.names() == ["tiny"] and window.models.current() == "tiny"
     assert warned == []
+    watch.stop()
+    adding = [text for text in said if text.startswith("Adding the model: ")]
+    assert adding and said.index(adding[0]) < said.index("Added tiny"), said
     window.close()
 
 

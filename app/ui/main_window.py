@@ -198,6 +198,8 @@ class MainWindow(QMainWindow):
         worker.context_counted.connect(self.on_context_counted)
         worker.prefetched.connect(self.on_prefetched)
         worker.model_added.connect(self.on_model_added)
+        worker.import_progress.connect(self.on_import_progress)
+        worker.download_progress.connect(self.on_download_progress)
         self.composer.edit.textChanged.connect(self._count_soon.start)
         self._count_soon.timeout.connect(self.ask_context)
         self.meter.new_chat_requested.connect(self.turns.send_in_new_chat)
@@ -258,9 +260,23 @@ class MainWindow(QMainWindow):
             if not self.library_open:  # else the Models dialog says it, where it was asked
                 self._warn(why)
             return
+        self.status.say(f"Added {name}")
         self.refresh_models()
         if not self.models.ready and self.models.awaited is None:
             self.on_model_picked(name)  # the one just added (the chosen one may not load)
+
+    # An import or download goes on after the Models dialog is closed: the status bar
+    # follows it there (a new user's walk saw "There is no model yet" all along, then
+    # the model, with no word of it).
+    @Slot(str, int, int)
+    def on_import_progress(self, stage: str, _done: int, _total: int) -> None:
+        if not self.library_open:
+            self.status.say(f"Adding the model: {stage}")
+
+    @Slot(int, int, str)
+    def on_download_progress(self, done: int, total: int, _file: str) -> None:
+        if not self.library_open:
+            self.status.say(f"Downloading the model: {done / 1e6:.1f} of {total / 1e6:.1f} MB")
 
     @Slot(str, str)
     def on_model_loaded(self, name: str, compute: str) -> None:
