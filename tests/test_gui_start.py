@@ -94,6 +94,8 @@ def test_with_no_model_the_window_says_where_to_add_one_and_loses_nothing(
     assert window.models.state.text() == "No model loaded"
     said = window.status.message.text()
     assert "File → Models…" in said and "reprise models" not in said
+    # New-user walk: the empty chat said "Start a conversation by typing below."
+    assert "Add a model to start chatting" in window.chat.toPlainText()
 
     window.composer.edit.setPlainText("hello with no model")
     window.composer.edit.submitted.emit()  # Enter
@@ -108,6 +110,8 @@ def test_with_no_model_the_window_says_where_to_add_one_and_loses_nothing(
     qtbot.waitUntil(lambda: window.models.ready, timeout=READY_MS)
     assert window.models.state.text() == "Ready"
     assert "File → Models…" not in window.status.message.text()  # no longer true
+    window.show_conversation(None)  # (a new chat, empty)
+    assert "Start a conversation" in window.chat.toPlainText()
     prefer(window, temperature=0.0, max_tokens=8)
     window.composer.edit.submitted.emit()
     wait_reply(qtbot, window)

@@ -29,6 +29,7 @@ from PySide6.QtWidgets import QApplication, QTextBrowser, QToolTip, QWidget
 
 from app.ui.render import (
     LIGHT_CHAT,
+    START,
     ChatColours,
     RenderedMessage,
     code_blocks,
@@ -58,6 +59,7 @@ class ChatView(QTextBrowser):
         self.cursorPositionChanged.connect(self.viewport().update)
         self.highlighted.connect(self._show_link_target)
         self.messages: list[RenderedMessage] = []
+        self.empty_text = START
         self.refused_resources = 0  # loads the document asked for, all refused
         # The app's links carry this; a message cannot know it, so cannot forge them.
         self._token = secrets.token_hex(16)
@@ -88,6 +90,13 @@ class ChatView(QTextBrowser):
         position = bar.value()
         self.render()
         bar.setValue(position)
+
+    def set_empty_text(self, text: str) -> None:
+        """What an empty chat says (render.START, or how to add a model first)."""
+        if text != self.empty_text:
+            self.empty_text = text
+            if not self.messages:
+                self.render()
 
     def show_messages(self, messages: list[RenderedMessage]) -> None:
         self.messages = messages
@@ -129,7 +138,7 @@ class ChatView(QTextBrowser):
             m.show_thinking = m.id in self._thinking_open
         if not self.messages:
             self._tail_start = None
-            self.setHtml(conversation_html([], self._token, self.colours))
+            self.setHtml(conversation_html([], self._token, self.colours, self.empty_text))
             return
         self.setHtml(
             "".join(message_html(m, self._token, self.colours) for m in self.messages[:-1])

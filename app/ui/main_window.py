@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
 from app import __version__
 from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
-from app.ui import asking, quitting, theme, window_place
+from app.ui import asking, quitting, render, theme, window_place
 from app.ui.chat_header import ChatHeader
 from app.ui.chat_settings import chat_settings
 from app.ui.chat_view import ChatView
@@ -238,6 +238,7 @@ class MainWindow(QMainWindow):
     def refresh_models(self) -> None:
         names = [m.name for m in list_models(paths.models_dir())]
         self.models.show_models(names, self.preferences().model, STARTER_MODEL)
+        self.chat.set_empty_text(render.START if names else render.ADD_A_MODEL)
 
     def load_chosen_model(self) -> None:
         """Load the model the toolbar shows (at start, or once the Models dialog added a

@@ -380,13 +380,21 @@ def message_html(
     )
 
 
+START = "Start a conversation by typing below."
+# With an empty library nothing can answer: the empty chat says what to do first.
+ADD_A_MODEL = "Add a model to start chatting: File → Models… (Ctrl+Shift+M)."
+
+
 def conversation_html(
-    messages: list[RenderedMessage], token: str = "", colours: ChatColours = LIGHT_CHAT
+    messages: list[RenderedMessage],
+    token: str = "",
+    colours: ChatColours = LIGHT_CHAT,
+    empty: str = START,
 ) -> str:
     if not messages:
         return (
             f'<p style="color:{colours.muted}; margin-top:40px" align="center">'
-            "Start a conversation by typing below.</p>"
+            f"{html.escape(empty)}</p>"
         )
     return "".join(message_html(m, token, colours) for m in messages)
 
