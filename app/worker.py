@@ -48,7 +48,7 @@ def in_the_windows_words(error: UserError) -> str:
 
 class EngineWorker(QObject):
     model_loaded = Signal(str, str)  # name, compute path
-    conversation_started = Signal(int)  # a `send` to NEW_CONVERSATION made this one
+    conversation_started = Signal(int)  # a `send` or a setting for NEW_CONVERSATION made it
     restored = Signal(object)  # RestoreInfo: where this turn's cache came from
     text_delta = Signal(str)
     prompt_progress = Signal(int, int)  # done, total
@@ -341,12 +341,12 @@ class EngineWorker(QObject):
 
     @Slot(int, str)
     def set_system_prompt(self, conversation_id: int, text: str) -> None:
-        self._change(conversation_id, lambda s: s.set_system_prompt(conversation_id, text))
+        self._for_chat(conversation_id, lambda s, cid: s.set_system_prompt(cid, text))
 
     @Slot(int, object)
     def set_chat_settings(self, conversation_id: int, overrides: object) -> None:
         """A chat's own sampling and KV settings (a `ChatOverrides`)."""
-        self._change(conversation_id, lambda s: s.set_chat_settings(conversation_id, overrides))
+        self._for_chat(conversation_id, lambda s, cid: s.set_chat_settings(cid, overrides))
 
     @Slot(int, str)
     def set_chat_model(self, conversation_id: int, name: str) -> None:
@@ -375,6 +375,19 @@ class EngineWorker(QObject):
             self.preferences_saved.emit(prefs)
 
         self._attempt("Saving the preferences", save)
+
+    def _for_chat(self, conversation_id: int, task: Callable[[ChatService, int], object]) -> None:
+        """A chat's own prompt or settings. Chosen for NEW_CONVERSATION (before its first
+        message), the chat is made first, with the loaded model, and the window told."""
+
+        def change(service: ChatService) -> None:
+            chat = conversation_id
+            if chat == NEW_CONVERSATION:
+                chat = service.create_conversation(service.load_model().loaded.name).id
+                self.conversation_started.emit(chat)
+            task(service, chat)
+
+        self._change(conversation_id, change)
 
     def _change(self, conversation_id: int, task: Callable[[ChatService], object]) -> None:
         if self._attempt("The change", lambda: task(self.service())):

@@ -501,9 +501,7 @@ def test_a_chat_gets_its_own_system_prompt_from_the_header(qtbot, open_window):
     window = open_window()
     prefer(window, system_prompt="You are helpful.")
     qtbot.waitUntil(lambda: "(default)" in window.header.label.text(), timeout=5_000)
-    assert not window.header.edit.isEnabled()  # a chat not started yet has no own prompt
     send(qtbot, window, "Hi", greedy_tokens=4)
-    assert window.header.edit.isEnabled()
 
     def type_and_press_ok(dialog) -> None:  # as a user does: type, Tab to OK, Enter
         qtbot.keyClicks(dialog.text, "Answer in French.")
@@ -517,6 +515,47 @@ def test_a_chat_gets_its_own_system_prompt_from_the_header(qtbot, open_window):
     assert window.store.get(window.conversation_id).system_prompt == "Answer in French."
     window.new_chat()
     assert "(default): “You are helpful.”" in window.header.label.text()
+
+
+def test_a_new_chat_gets_its_own_prompt_and_settings_before_its_first_message(
+    qtbot, open_window
+):
+    """A new user's walk: System prompt… and Chat settings… were greyed out until a first
+    message was sent, so a persona could not be set first."""
+    from app.ui.chat_settings import ChatSettingsDialog
+
+    window = open_window()
+    assert window.conversation_id is None and window.header.edit.isEnabled()
+
+    def write_prompt(dialog) -> None:
+        dialog.text.setPlainText("Answer like a pirate.")
+        dialog.accept()
+
+    when_a_box_opens(write_prompt, kind=PromptDialog)
+    window.header.edit.click()
+    qtbot.waitUntil(lambda: window.conversation_id is not None, timeout=10_000)
+    made = window.conversation_id
+    qtbot.waitUntil(lambda: "(this chat)" in window.header.label.text(), timeout=5_000)
+    assert window.store.get(made).system_prompt == "Answer like a pirate."
+    assert window.sidebar.list.count() == 1  # the chat is there, as it was made
+
+    def cooler(dialog) -> None:
+        dialog.boxes["temperature"].setValue(0.2)
+        dialog.accept()
+
+    when_a_box_opens(cooler, kind=ChatSettingsDialog)
+    window.header.settings.click()
+    qtbot.waitUntil(lambda: "Temperature 0.2" in window.header.label.text(), timeout=5_000)
+    send(qtbot, window, "Hi", greedy_tokens=4)
+    assert window.conversation_id == made and len(window.store.list()) == 1
+    chat = window.store.get(made)
+    assert [m.role for m in chat.messages] == ["user", "assistant"] and chat.title == "Hi"
+
+    window.new_chat()  # a prompt dialog left empty, or Cancel, makes no chat
+    when_a_box_opens(lambda dialog: dialog.reject(), kind=PromptDialog)
+    window.header.edit.click()
+    qtbot.wait(200)
+    assert window.conversation_id is None and len(window.store.list()) == 1
 
 
 def test_a_reply_stopped_before_its_first_token_gives_no_speed():

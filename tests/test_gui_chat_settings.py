@@ -39,8 +39,10 @@ def test_the_header_says_what_differs_from_the_defaults(qtbot):
     off = stored_chat("qwen", ChatOverrides(kv_bits=KV_OFF, max_tokens=200))
     header.show(off, "qwen", Preferences(kv_bits=4), ["qwen"])
     assert "Replies up to 200 tokens · Full precision (no memory saving)" in header.label.text()
+    header.show(None, "qwen", prefs, ["qwen"], ready=False)
+    assert not header.settings.isEnabled()  # a new chat, and no model loaded to make it with
     header.show(None, "qwen", prefs, ["qwen"])
-    assert not header.settings.isEnabled()  # a chat not started yet runs with the defaults
+    assert header.settings.isEnabled() and header.edit.isEnabled()  # set before it starts
 
 
 def test_the_header_names_the_chats_own_model_and_offers_both_ways(qtbot):

@@ -94,14 +94,15 @@ class ChatHeader(QWidget):
         ready: bool = True,
     ) -> None:
         """The chat on screen; None: a chat not started yet, which runs with the defaults
-        (its own settings can be set once it exists). `model` is the one loaded (or
-        loading: `ready` False), `installed` every model in the library."""
+        (its own settings, set before its first message, make it, with the model loaded:
+        so not while none is). `model` is the one loaded (or loading: `ready` False),
+        `installed` every model in the library."""
         own = chat.system_prompt if chat is not None else None
         changed = differences(chat.overrides, prefs) if chat is not None else []
         self.label.setText(header_text(model, own, prefs.system_prompt, changed))
         self.label.setToolTip(own or prefs.system_prompt)
-        self.edit.setEnabled(chat is not None)
-        self.settings.setEnabled(chat is not None)
+        self.edit.setEnabled(chat is not None or ready)
+        self.settings.setEnabled(chat is not None or ready)
         self._own, self._loaded = (chat.model if chat else ""), model
         names = installed if installed is not None else [model]
         self._show_notice(model_notice(self._own, model, names) if ready else "")

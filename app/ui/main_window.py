@@ -38,6 +38,7 @@ from sessions import paths
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
+from sessions.overrides import ChatOverrides
 from sessions.settings import Settings
 
 if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the first paint
@@ -343,23 +344,31 @@ class MainWindow(QMainWindow):
         mine = prefs.for_chat(chat.overrides) if chat is not None else prefs
         self.status.next_kv(kv_label(mine.kv_bits))
 
+    # A new chat's own prompt and settings can be chosen before its first message (a
+    # new user's walk wanted a persona first): the worker makes the chat for them.
     @Slot()
     def change_system_prompt(self) -> None:
-        if self.conversation_id is None or self.generating:
+        if self.generating or not self._can_change_chat():
             return
-        own = self.store.get(self.conversation_id).system_prompt or ""
+        chat = self.store.get(self.conversation_id) if self.conversation_id else None
+        own = (chat.system_prompt if chat else None) or ""
         text = asking.system_prompt(self, own, self.preferences().system_prompt)
-        if text is not None:
-            self.system_prompt_requested.emit(self.conversation_id, text)
+        if text is not None and (chat is not None or text.strip()):
+            self.system_prompt_requested.emit(self.conversation_id or NEW_CONVERSATION, text)
 
     @Slot()
     def change_chat_settings(self) -> None:
-        if self.conversation_id is None or self.generating:
+        if self.generating or not self._can_change_chat():
             return
-        own = self.store.get(self.conversation_id).overrides
+        chat = self.store.get(self.conversation_id) if self.conversation_id else None
+        own = chat.overrides if chat else ChatOverrides()
         chosen = chat_settings(self, own, self.preferences())
-        if chosen is not None:
-            self.chat_settings_requested.emit(self.conversation_id, chosen)
+        if chosen is not None and (chat is not None or chosen.given()):
+            self.chat_settings_requested.emit(self.conversation_id or NEW_CONVERSATION, chosen)
+
+    def _can_change_chat(self) -> bool:
+        """A chat that exists, or a new one a loaded model can make."""
+        return self.conversation_id is not None or self.models.ready
 
     @Slot(str)
     def keep_chat_model(self, name: str) -> None:
