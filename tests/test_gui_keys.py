@@ -51,6 +51,25 @@ def test_escape_stops_a_reply(qtbot, open_window):
     assert window.store.get(window.conversation_id).messages[-1].state == "cancelled"
 
 
+def test_a_shortcut_with_nothing_to_act_on_says_so(qtbot, open_window):
+    """A new user's walk: Ctrl+R, F2 and Ctrl+Shift+D on a new chat did nothing at all."""
+    from app.ui.menus import NO_CHAT_YET, NO_REPLY_YET
+
+    window = active(qtbot, open_window())
+    box = window.composer.edit
+    box.setFocus()
+    for key, modifiers, said in (
+        (Qt.Key.Key_R, CTRL, NO_REPLY_YET),
+        (Qt.Key.Key_F2, Qt.KeyboardModifier.NoModifier, NO_CHAT_YET),
+        (Qt.Key.Key_D, CTRL | SHIFT, NO_CHAT_YET),
+        (Qt.Key.Key_C, CTRL | SHIFT, "There is no reply to copy yet"),
+    ):
+        window.status.say("")
+        qtbot.keyClick(box, key, modifiers)
+        assert window.status.message.text() == said, key
+    assert window.conversation_id is None and not window.generating
+
+
 def test_shortcuts_copy_switch_chats_and_find(qtbot, open_window):
     window = active(qtbot, open_window())
     send(qtbot, window, "Tell me about penguins.", greedy_tokens=8)

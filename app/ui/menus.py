@@ -32,11 +32,19 @@ def _keys(keys: Keys) -> QKeySequence:
     return sequence if not sequence.isEmpty() else QKeySequence("Ctrl+,")  # no standard one
 
 
+# A shortcut with nothing to act on says so in the status bar: a new user's walk pressed
+# Ctrl+R, F2 and Ctrl+Shift+D on a new chat and saw nothing happen.
+NO_CHAT_YET = "This chat has no messages yet: send one first"
+NO_REPLY_YET = "There is no reply to regenerate yet"
+
+
 def copy_last_reply(window: MainWindow) -> None:
     replies = [m for m in window.chat.messages if m.role == "assistant" and m.content]
     if replies:
         QGuiApplication.clipboard().setText(split_thinking(replies[-1].content)[1])
         window.status.say("Copied the last reply")
+    else:
+        window.status.say("There is no reply to copy yet")
 
 
 def step_chat(window: MainWindow, step: int) -> None:
@@ -50,8 +58,12 @@ def step_chat(window: MainWindow, step: int) -> None:
 
 def regenerate_last(window: MainWindow) -> None:
     last = window.chat.messages[-1] if window.chat.messages else None
-    if last is not None and last.role == "assistant" and not window.generating:
+    if window.generating:
+        return
+    if last is not None and last.role == "assistant":
         window.turns.on_chat_action("regenerate", 0)
+    else:
+        window.status.say(NO_REPLY_YET)
 
 
 def stop_reply(window: MainWindow) -> None:
@@ -72,9 +84,13 @@ def focus_search(window: MainWindow) -> None:
 
 
 def on_this_chat(window: MainWindow, action: Callable[[int], None]) -> None:
-    """What the sidebar's right-click menu does, for the chat on screen (none: nothing)."""
-    if window.conversation_id is not None and not window.generating:
-        action(window.conversation_id)
+    """What the sidebar's right-click menu does, for the chat on screen."""
+    if window.generating:
+        return
+    if window.conversation_id is None:
+        window.status.say(NO_CHAT_YET)
+        return
+    action(window.conversation_id)
 
 
 def open_preferences(window: MainWindow) -> None:
