@@ -32,9 +32,11 @@ def test_the_meter_counts_the_chat_and_the_draft(qtbot, open_window):
     window.composer.edit.setPlainText(WORDS)
     use = wait_meter(qtbot, window, WORDS)
     assert use.conversation > 0 and use.draft > 10 and use.fits
+    used, with_draft = f"{use.conversation:,} of {use.limit:,}", use.conversation + use.draft
     assert window.meter.label.text() == (
-        f"Context: {use.conversation:,} tokens + {use.draft:,} in the draft of {use.limit:,}"
+        f"Context: {used} tokens used, {with_draft:,} with your message"
     )
+    assert "three quarters of a word" in window.meter.label.toolTip()
 
 
 def test_a_message_too_long_for_a_new_chat_is_not_sent(qtbot, open_window):
@@ -114,7 +116,8 @@ def test_while_editing_the_meter_counts_the_chat_before_the_edited_message(
     use = window.meter.use
     # The edited message and its reply are not counted: the draft takes their place.
     assert (use.conversation, use.draft) == (first_exchange.conversation, first_exchange.draft)
-    assert window.meter.label.text().startswith(f"Context: {use.conversation:,} tokens + ")
+    assert window.meter.label.text().startswith(f"Context: {use.conversation:,} of ")
+    assert window.meter.label.text().endswith(" with your message")
     window.composer.cancel_edit()  # the whole chat counts again
     qtbot.waitUntil(
         lambda: window.meter.use.before is None and window.meter.use.draft_text == "",
@@ -166,5 +169,7 @@ def test_the_meter_counts_a_streaming_reply_as_it_comes(qtbot, open_window):
     use = wait_meter(qtbot, window, "")
     last = window.store.get(window.conversation_id).messages[-1]
     # Finished: the exact count, the whole reply in it.
-    assert window.meter.label.text() == f"Context: {use.conversation:,} tokens of {use.limit:,}"
+    assert (
+        window.meter.label.text() == f"Context: {use.conversation:,} of {use.limit:,} tokens used"
+    )
     assert use.conversation >= first + last.stats["generated_tokens"] - 5

@@ -19,9 +19,19 @@ if TYPE_CHECKING:  # the service (and so the engine) is imported on the worker's
 NEARLY_FULL = 0.9
 
 
+# What the count is, for the label's tooltip: a new user's walk read "0 tokens + 32 in
+# the draft" for two words (the chat template and the model's system prompt count too).
+METER_TIP = (
+    "How much of the model's context (what it can read at once) the chat fills, in "
+    "tokens: about three quarters of a word each, with the system prompt and the "
+    "chat's own formatting counted too."
+)
+
+
 def meter_text(use: ContextUse) -> str:
-    draft = f" + {use.draft:,} in the draft" if use.draft else ""
-    text = f"Context: {use.conversation:,} tokens{draft} of {use.limit:,}"
+    text = f"Context: {use.conversation:,} of {use.limit:,} tokens used"
+    if use.draft:
+        text += f", {use.conversation + use.draft:,} with your message"
     if nearly_full(use):
         text += ". Nearly full: a long reply may be cut; a new chat has room."
     return text
@@ -38,7 +48,7 @@ LIVE_MS = 250
 def live_text(use: ContextUse, pieces: int) -> str:
     """A streamed piece is one token nearly always (a character can take two), hence "≈"."""
     total = use.conversation + use.draft + pieces
-    return f"Context: ≈{total:,} tokens of {use.limit:,}, with the reply so far"
+    return f"Context: ≈{total:,} of {use.limit:,} tokens used, with the reply so far"
 
 
 def warning_text(use: ContextUse) -> str:
@@ -62,6 +72,7 @@ class ContextMeter(QWidget):
         super().__init__()
         self.label = QLabel("")
         self.label.setWordWrap(True)
+        self.label.setToolTip(METER_TIP)
         self.fresh = QPushButton("Send in a new chat")
         self.fresh.setToolTip("Start a new chat with this message; this chat stays as it is")
         self.fresh.hide()
