@@ -250,7 +250,7 @@ def test_clearing_caches_shows_the_space_it_freed(qtbot, open_window):
     qtbot.mouseClick(clear, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: dialog.usage_label.text().startswith("0.0 MB"), timeout=10_000)
     window.refresh_sidebar()
-    assert "no cache saved" in window.sidebar.list.item(0).text()
+    assert "reads the chat again when continued" in window.sidebar.list.item(0).text()
     # A chat opened now has nothing to restore: it says so before Send, not after a wait.
     window.sidebar.conversation_selected.emit(other)
     qtbot.waitUntil(lambda: window.status.message.text().startswith("Not restored"), timeout=10_000)

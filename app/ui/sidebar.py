@@ -136,10 +136,12 @@ class ResultDelegate(QStyledItemDelegate):
 
 
 def describe_cache(info: dict | None) -> str:
+    """Whether the chat's saved state lets its next reply start at once, in a user's
+    words (a new user's walk: "no cache saved", "598 tokens" meant nothing); the size
+    is its disk's (the status bar says "in memory" for the other size)."""
     if not info or not info.get("bytes"):
-        return "no cache saved"  # the chat's text is: this is its cache alone
-    # "saved": the size on disk; the status bar says "in memory" for the other size.
-    return f"saved {info['bytes'] / 1e6:.1f} MB, {info['tokens']:,} tokens"
+        return "reads the chat again when continued"  # its text is kept all the same
+    return f"resumes at once ({info['bytes'] / 1e6:.1f} MB saved)"
 
 
 class Sidebar(QWidget):
