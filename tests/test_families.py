@@ -222,8 +222,8 @@ def _reopen_in_a_new_process(path: Path, conversation_id: int) -> dict:
     """`reprise chat --conversation ID` goes on with the conversation: its reply record."""
     done = cli(
         "chat", "--model", str(path), "--conversation", str(conversation_id),
-        "--temp", "0", "--max-tokens", "8", "--json", MESSAGES[2],
-    )  # fmt: skip
+        "--temp", "0", "--repetition-penalty", "1", "--max-tokens", "8", "--json", MESSAGES[2],
+    )  # fmt: skip  (greedy as in memory: the app's own default penalty is 1.1)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

@@ -35,6 +35,8 @@ def chat(model_dir, conversation, message, max_tokens=40) -> dict:
             conversation,
             "--temp",
             "0",
+            "--repetition-penalty",  # plain greedy, as the comparison computes it
+            "1",
             "--max-tokens",
             str(max_tokens),
             "--json",
