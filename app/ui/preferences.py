@@ -196,8 +196,8 @@ class PreferencesDialog(QDialog):
         self.quantized_kv_start.setToolTip(START_HELP)
         form.addRow("Memory saving", self.kv_bits)
         form.addRow("", self.kv_explanation)
-        form.addRow("Precision groups", self.kv_group_size)
-        form.addRow("Full precision until (tokens)", self.quantized_kv_start)
+        form.addRow("Group size (advanced)", self.kv_group_size)
+        form.addRow("Full precision for the first (tokens)", self.quantized_kv_start)
         self.max_context = self._int(0, 1_048_576, values["max_context"] or 0)
         self.max_context.setSpecialValueText("The model's own")
         form.addRow("Maximum context (tokens)", self.max_context)
@@ -233,12 +233,12 @@ class PreferencesDialog(QDialog):
         row = QHBoxLayout()
         row.addWidget(clear)
         row.addWidget(open_folder)
-        form.addRow("Disk budget", self.budget)
+        form.addRow("Disk space for saved chats", self.budget)
         form.addRow("In use", self.usage_label)
         form.addRow(
             "",
             QLabel(
-                "Clearing or evicting caches only makes reopening slower; no text is ever lost."
+                "Clearing them only makes reopening slower: no message is ever lost."
             ),
         )
         form.addRow(row)
