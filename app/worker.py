@@ -59,7 +59,8 @@ class EngineWorker(QObject):
     failed = Signal(str)  # a message for the user
     turn_failed = Signal()  # after `failed`: the failure was a turn's (send, edit, …)
     context_counted = Signal(object)  # ContextUse
-    busy_changed = Signal(bool)
+    busy_changed = Signal(bool)  # a turn began or ended
+    adding_changed = Signal(bool)  # a model's import, download or link began or ended
     import_progress = Signal(str, int, int)  # stage, done, total
     download_progress = Signal(int, int, str)  # bytes done, bytes in all, file
     model_added = Signal(str, str)  # the new model's name, or "" and what the user was told
@@ -224,7 +225,7 @@ class EngineWorker(QObject):
         """Run an import or download; `model_added` names the new model, or says why
         there is none: the one message of its failure (the dialog that asked shows it,
         and the window)."""
-        self.busy_changed.emit(True)
+        self.adding_changed.emit(True)
         added: list[str] = []
 
         def add() -> None:
@@ -235,7 +236,7 @@ class EngineWorker(QObject):
             why = self._failure("Adding the model", add, tell=False) or ""
         finally:
             self.model_added.emit(added[0] if added else "", why)
-            self.busy_changed.emit(False)
+            self.adding_changed.emit(False)
 
     # -- turns -------------------------------------------------------------------------
 

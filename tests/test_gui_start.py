@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import STARTER_NAME
-from gui_window import READY_MS, boxes_said, prefer, wait_reply, when_a_box_opens
+from gui_window import READY_MS, boxes_said, prefer, wait_reply, wait_streaming, when_a_box_opens
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QMessageBox
 
@@ -501,3 +501,42 @@ def test_quitting_during_a_download_cancels_it_without_a_box(
     assert not window.engine.thread.isRunning()
     assert said == [] and "Saving the conversation…" not in waiting_texts, (said, waiting_texts)
     assert "tiny" not in window.models.names()
+
+
+def test_a_reply_asked_for_behind_a_models_import_streams_with_stop(
+    qtbot, open_window, monkeypatch, tmp_path
+):
+    """Review: a message sent while an import waited its turn on the worker (the import
+    asked for during a slow moment, the message after) streamed under a greyed-out Send
+    that said a model was being added, once the import had ended."""
+    import threading
+
+    from PySide6.QtCore import QObject, Signal
+
+    import tiny
+    from app.engine import found
+
+    class Asks(QObject):
+        find = Signal()
+        add = Signal(str, str)
+
+    window = open_window()
+    gguf = tiny.write_gguf(tmp_path / "tiny.gguf")
+    held = threading.Event()
+    monkeypatch.setattr(found, "discover", lambda **_: held.wait(10) and None)
+    asks = Asks()
+    asks.find.connect(window.engine.worker.find_models)
+    asks.add.connect(window.engine.worker.import_gguf)
+    asks.find.emit()  # the worker busy a moment (a slow disk), and says nothing of it
+    asks.add.emit(str(gguf), "tiny")  # then an import, waiting behind that
+    prefer(window, temperature=0.0, max_tokens=2000)
+    window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
+    window.composer.edit.submitted.emit()  # and the message, behind the import
+    held.set()
+    qtbot.waitUntil(lambda: "tiny" in window.models.names(), timeout=READY_MS)
+    wait_streaming(qtbot, window)
+    button = window.composer.button
+    assert (button.text(), button.isEnabled(), window.replying) == ("Stop", True, True)
+    button.click()
+    wait_reply(qtbot, window)
+    assert window.store.get(window.conversation_id).messages[-1].state == "cancelled"

@@ -89,7 +89,8 @@ class MainWindow(QMainWindow):
         self._boxes_up: set[str] = set()  # the failures a box on screen says
         self._load_failure = ""  # why the model last asked for did not load, until one does
         self._turn_behind_load = False  # the turn asked for waits on a model load
-        self._turn_asked = False  # busy with a turn (not adding a model), until it ends
+        self._turn_asked = False  # a turn was asked for, until it ends
+        self._adding = False  # the worker is adding a model
         self.library_open = False  # the Models dialog is up (menus.open_models)
 
         self.sidebar = Sidebar()
@@ -196,6 +197,7 @@ class MainWindow(QMainWindow):
         worker.turn_failed.connect(self.on_turn_failed)
         worker.exported.connect(self.status.on_exported)
         worker.busy_changed.connect(self.on_busy)
+        worker.adding_changed.connect(self.on_adding)
         worker.context_counted.connect(self.on_context_counted)
         worker.prefetched.connect(self.on_prefetched)
         worker.model_added.connect(self.on_model_added)
@@ -432,15 +434,27 @@ class MainWindow(QMainWindow):
 
     @Slot(bool)
     def on_busy(self, busy: bool) -> None:
-        self.generating = busy
+        """A turn began or ended (a review: a turn asked for during a model's add took
+        that add's end for its own, and streamed under a greyed-out Send)."""
         if not busy:
             self._turn_asked = False
-        self.composer.set_generating(self.replying)
-        self.composer.set_waiting(busy and not self.replying)
+        self._worker_busy(busy or self._adding)
         self.status.on_busy(busy)
         if not busy:
             self.meter.end_reply()
             self.ask_context()  # the chat changed: count it again
+
+    @Slot(bool)
+    def on_adding(self, adding: bool) -> None:
+        """A model's import, download or link began or ended."""
+        self._adding = adding
+        self._worker_busy(adding)
+        self.status.on_busy(adding)  # what was said while it ran ends with it
+
+    def _worker_busy(self, busy: bool) -> None:
+        self.generating = busy or self._turn_asked
+        self.composer.set_generating(self.replying)
+        self.composer.set_waiting(self._adding and not self.replying)
 
     @Slot(object)
     def on_restored(self, info: RestoreInfo) -> None:
@@ -543,6 +557,6 @@ class MainWindow(QMainWindow):
         its save, then go."""
         self.drafts.keep()
         window_place.keep(self)
-        adding = self.generating and not self.replying  # an import cannot be stopped
-        quitting.wait_for_worker(self.engine, self, quitting.ADDING if adding else quitting.SAVING)
+        what = quitting.ADDING if self._adding else quitting.SAVING  # an import cannot stop
+        quitting.wait_for_worker(self.engine, self, what)
         event.accept()

@@ -70,10 +70,12 @@ def stop_reply(window: MainWindow) -> None:
     """Esc: stop the reply; when none streams, clear a search being typed, or leave an
     edit (the draft comes back)."""
     search = window.sidebar.search
-    if window.generating:
+    if window.replying:
         window.composer.stop_requested.emit()
-    elif search.hasFocus() and search.text():
+    elif search.hasFocus() and search.text():  # before a download's cancel (review)
         search.clear()
+    elif window.generating:  # a model's download: Esc cancels it (the status bar says so)
+        window.composer.stop_requested.emit()
     else:
         window.composer.cancel_edit()
 
