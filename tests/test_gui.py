@@ -517,9 +517,7 @@ def test_a_chat_gets_its_own_system_prompt_from_the_header(qtbot, open_window):
     assert "(default): “You are helpful.”" in window.header.label.text()
 
 
-def test_a_new_chat_gets_its_own_prompt_and_settings_before_its_first_message(
-    qtbot, open_window
-):
+def test_a_new_chat_gets_its_own_prompt_and_settings_before_its_first_message(qtbot, open_window):
     """A new user's walk: System prompt… and Chat settings… were greyed out until a first
     message was sent, so a persona could not be set first."""
     from app.ui.chat_settings import ChatSettingsDialog
@@ -616,3 +614,68 @@ def test_a_kv_choice_changed_since_the_last_reply_is_said_beside_its_figures(qtb
     assert window.status.stats.text().endswith("· Off (full precision) · next reply: 8-bit")
     send(qtbot, window, "And another?", greedy_tokens=4)
     assert window.status.stats.text().endswith("· 8-bit"), window.status.stats.text()
+
+
+def busy_worker(window, monkeypatch):
+    """Keep the worker busy until the returned event is set (a slow disk, say): what the
+    window asks for meanwhile waits behind it, in order."""
+    import threading
+
+    from PySide6.QtCore import QObject, Signal
+
+    from app.engine import found
+
+    class Asks(QObject):
+        find = Signal()
+
+    held = threading.Event()
+    monkeypatch.setattr(found, "discover", lambda **_: held.wait(10) and None)
+    asks = Asks(window)
+    asks.find.connect(window.engine.worker.find_models)
+    asks.find.emit()
+    return held
+
+
+def test_a_new_chats_settings_and_a_message_sent_at_once_make_one_chat(
+    qtbot, open_window, monkeypatch
+):
+    """Review: with the worker busy, a prompt set for a new chat and a message sent at
+    once made two chats: the prompt's, empty, and the message's, without the prompt."""
+    window = open_window()
+    held = busy_worker(window, monkeypatch)
+    when_a_box_opens(
+        lambda d: (d.text.setPlainText("Answer like a pirate."), d.accept()), kind=PromptDialog
+    )
+    window.header.edit.click()
+    prefer(window, temperature=0.0, max_tokens=4)
+    window.composer.edit.setPlainText("Ahoy?")
+    window.composer.edit.submitted.emit()
+    assert window.status.message.text().startswith("Making this chat")
+    held.set()
+    qtbot.waitUntil(lambda: window.conversation_id is not None, timeout=10_000)
+    wait_reply(qtbot, window)
+    (chat,) = window.store.list()
+    stored = window.store.get(chat.id)
+    assert stored.system_prompt == "Answer like a pirate."
+    assert [m.content for m in stored.messages[:1]] == ["Ahoy?"]
+
+
+def test_a_chat_opened_while_a_new_one_is_made_stays_on_screen(qtbot, open_window, monkeypatch):
+    """Review: going back to a chat before the worker had made the new one showed the new
+    one's prompt over it, and its next message went to the new chat."""
+    window = open_window()
+    send(qtbot, window, "Name a fruit.", greedy_tokens=4)
+    fruit = window.conversation_id
+    window.new_chat()
+    held = busy_worker(window, monkeypatch)
+    when_a_box_opens(
+        lambda d: (d.text.setPlainText("Answer like a pirate."), d.accept()), kind=PromptDialog
+    )
+    window.header.edit.click()
+    window.show_conversation(fruit)  # as a click in the sidebar
+    held.set()
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 2, timeout=10_000)
+    assert window.conversation_id == fruit and "pirate" not in window.header.label.text()
+    send(qtbot, window, "And a vegetable?", greedy_tokens=4)
+    assert window.conversation_id == fruit
+    assert window.store.get(fruit).messages[2].content == "And a vegetable?"

@@ -21,7 +21,7 @@ from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
 from app.ui import asking, quitting, render, theme, window_place
 from app.ui.chat_header import ChatHeader
-from app.ui.chat_settings import chat_settings
+from app.ui.chat_setup import ChatSetup
 from app.ui.chat_view import ChatView
 from app.ui.composer import Composer
 from app.ui.context_meter import ContextMeter
@@ -38,7 +38,6 @@ from sessions import paths
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
-from sessions.overrides import ChatOverrides
 from sessions.settings import Settings
 
 if TYPE_CHECKING:  # the engine is imported on the worker's thread, after the first paint
@@ -108,6 +107,7 @@ class MainWindow(QMainWindow):
         theme.follow(self.chat, self.preferences().theme)
         self.status = TurnStatus(self.statusBar())
         self.turns = TurnFlow(self)
+        self.setup = ChatSetup(self)
         build_menus(self)
 
         self.engine = WorkerThread()
@@ -215,8 +215,8 @@ class MainWindow(QMainWindow):
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
         self.composer.stop_requested.connect(worker.stop, Qt.ConnectionType.DirectConnection)
         self.chat.action.connect(self.turns.on_chat_action)
-        self.header.system_prompt_requested.connect(self.change_system_prompt)
-        self.header.settings_requested.connect(self.change_chat_settings)
+        self.header.system_prompt_requested.connect(self.setup.change_system_prompt)
+        self.header.settings_requested.connect(self.setup.change_chat_settings)
         self.header.switch_requested.connect(self.on_model_picked)
         self.header.keep_requested.connect(self.keep_chat_model)
         self.sidebar.new_requested.connect(self.new_chat)
@@ -313,6 +313,7 @@ class MainWindow(QMainWindow):
         if self.replying:
             self._stay_while_replying()
             return
+        self.setup.left()
         self.drafts.swap(conversation_id)
         self.conversation_id = conversation_id
         self.chat.show_messages(rendered_messages(self.store, conversation_id))
@@ -345,32 +346,6 @@ class MainWindow(QMainWindow):
         self.header.show(chat, models.current(), prefs, models.names(), models.ready)
         mine = prefs.for_chat(chat.overrides) if chat is not None else prefs
         self.status.next_kv(kv_label(mine.kv_bits))
-
-    # A new chat's own prompt and settings can be chosen before its first message (a
-    # new user's walk wanted a persona first): the worker makes the chat for them.
-    @Slot()
-    def change_system_prompt(self) -> None:
-        if self.generating or not self._can_change_chat():
-            return
-        chat = self.store.get(self.conversation_id) if self.conversation_id else None
-        own = (chat.system_prompt if chat else None) or ""
-        text = asking.system_prompt(self, own, self.preferences().system_prompt)
-        if text is not None and (chat is not None or text.strip()):
-            self.system_prompt_requested.emit(self.conversation_id or NEW_CONVERSATION, text)
-
-    @Slot()
-    def change_chat_settings(self) -> None:
-        if self.generating or not self._can_change_chat():
-            return
-        chat = self.store.get(self.conversation_id) if self.conversation_id else None
-        own = chat.overrides if chat else ChatOverrides()
-        chosen = chat_settings(self, own, self.preferences())
-        if chosen is not None and (chat is not None or chosen.given()):
-            self.chat_settings_requested.emit(self.conversation_id or NEW_CONVERSATION, chosen)
-
-    def _can_change_chat(self) -> bool:
-        """A chat that exists, or a new one a loaded model can make."""
-        return self.conversation_id is not None or self.models.ready
 
     @Slot(str)
     def keep_chat_model(self, name: str) -> None:
@@ -409,10 +384,18 @@ class MainWindow(QMainWindow):
 
     @Slot(int)
     def on_conversation_started(self, conversation_id: int) -> None:
+        """A new chat was made: by the turn on screen, or for the settings chosen for a
+        new chat, which the window shows only if the user is still there (a review: a
+        chat opened meanwhile was taken for the new one, and its next message went there)."""
+        for_settings, self.setup.making = self.setup.making, False
+        if for_settings and self.conversation_id is not None:
+            self.refresh_sidebar()
+            return
         self.conversation_id = conversation_id
         self.drafts.started(conversation_id)
         self.refresh_sidebar()
         self._show_header()
+        self.setup.made(for_settings)
 
     def expect_reply(self) -> None:
         """A turn was asked for: from now, not from when the worker starts it (it may be
@@ -498,6 +481,7 @@ class MainWindow(QMainWindow):
         load did (that one is said in the status bar only; a message sent later gets its
         box); nor a second box over one that says the same."""
         loading = self.models.load_pending  # before `show_failed` ends it
+        self.setup.failed()
         self.status.on_failed(message)
         self.models.show_failed()
         if loading:

@@ -44,6 +44,8 @@ class TurnFlow(QObject):
         if w.meter.known_not_to_fit(w.conversation_id, text):
             w.composer.edit.setPlainText(text)  # kept: the meter says why and what to do
             return
+        if w.setup.holds(text):  # the chat is being made for its settings: sent once it is
+            return
         self.pending = Pending(text, w.conversation_id, w.store.newest_message_id())
         w.chat.append_streaming(RenderedMessage(-1, "user", text))
         self.start(text)

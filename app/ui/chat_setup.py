@@ -1,0 +1,88 @@
+"""A chat's own system prompt and settings, asked for from the header.
+
+A new chat's can be chosen before its first message (a new user's walk wanted a
+persona first): the worker makes the chat for them, then the window shows it, if
+the user is still on the new chat. A message sent meanwhile waits in the box and
+goes once the chat is made; `send` would otherwise make a second chat (a review
+found the prompt's chat empty and the message in another, without the prompt).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from PySide6.QtCore import QObject, Slot
+
+from app.ui import asking
+from app.ui.chat_settings import chat_settings
+from app.worker import NEW_CONVERSATION
+from sessions.overrides import ChatOverrides
+
+if TYPE_CHECKING:
+    from app.ui.main_window import MainWindow
+
+MAKING = "Making this chat with its settings: your message goes in a moment"
+
+
+class ChatSetup(QObject):
+    def __init__(self, window: MainWindow) -> None:
+        super().__init__(window)
+        self.window = window
+        self.making = False  # the worker is making the new chat for its settings
+        self._send_when_made = False
+
+    @Slot()
+    def change_system_prompt(self) -> None:
+        w = self.window
+        chat = self._chat()
+        if chat is False:
+            return
+        own = (chat.system_prompt if chat else None) or ""
+        text = asking.system_prompt(w, own, w.preferences().system_prompt)
+        if text is not None and (chat is not None or text.strip()):
+            self.making = chat is None
+            w.system_prompt_requested.emit(w.conversation_id or NEW_CONVERSATION, text)
+
+    @Slot()
+    def change_chat_settings(self) -> None:
+        w = self.window
+        chat = self._chat()
+        if chat is False:
+            return
+        own = chat.overrides if chat else ChatOverrides()
+        chosen = chat_settings(w, own, w.preferences())
+        if chosen is not None and (chat is not None or chosen.given()):
+            self.making = chat is None
+            w.chat_settings_requested.emit(w.conversation_id or NEW_CONVERSATION, chosen)
+
+    def _chat(self):
+        """The chat on screen; None for a new one a loaded model can make; False where
+        nothing can be changed now (a reply is written, or no model is in)."""
+        w = self.window
+        if w.generating or (w.conversation_id is None and not w.models.ready):
+            return False
+        return w.store.get(w.conversation_id) if w.conversation_id else None
+
+    def holds(self, text: str) -> bool:
+        """Whether a message sent now waits for the chat being made (kept in the box)."""
+        w = self.window
+        if not (self.making and w.conversation_id is None):
+            return False
+        w.composer.show_draft(text)
+        self._send_when_made = True
+        w.status.say(MAKING)
+        return True
+
+    def made(self, for_settings: bool) -> None:
+        """The chat was made and is on screen: what waited for it is sent."""
+        if for_settings and self._send_when_made and self.window.composer.edit.toPlainText():
+            self.window.composer.send()
+        self._send_when_made = False
+
+    def left(self) -> None:
+        """The user left the new chat: its message stays with its draft."""
+        self._send_when_made = False
+
+    def failed(self) -> None:
+        """The worker failed: no chat is coming (the message stays in the box)."""
+        self.making = self._send_when_made = False
