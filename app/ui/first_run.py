@@ -94,6 +94,7 @@ class FirstRunDialog(QDialog):
         layout.addWidget(self.progress)
         layout.addLayout(buttons)
         self.starter = starter
+        self.busy_to_the_end = False
         self.import_button.setVisible(starter is not None)  # nothing to import: no button
         self.fetch_button.setVisible(starter is None)
         self.import_button.clicked.connect(self.import_starter)
@@ -131,6 +132,7 @@ class FirstRunDialog(QDialog):
 
     def start(self, path: Path, name: str) -> None:
         self._busy(f"Importing {path.name}…")
+        self._importing()
         self.import_requested.emit(str(path), name)
 
     def _busy(self, doing: str) -> None:
@@ -142,6 +144,8 @@ class FirstRunDialog(QDialog):
 
     @Slot(int, int, str)
     def on_download_progress(self, done: int, total: int, _file: str) -> None:
+        if done >= total:  # what follows (checks, the import) runs to its end (review)
+            self._importing()
         scale = max(1, total // 1_000_000)  # QProgressBar takes ints; keep them small
         self.progress.setRange(0, total // scale)
         self.progress.setValue(done // scale)
@@ -151,14 +155,25 @@ class FirstRunDialog(QDialog):
 
     @Slot(str, int, int)
     def on_progress(self, stage: str, done: int, total: int) -> None:
-        self.later_button.setEnabled(False)  # an import runs to its end
+        self._importing()
         self.progress.setRange(0, total)
         self.progress.setValue(done)
         self.message.setText(stage)
 
+    def _importing(self) -> None:
+        """An import runs to its end: Cancel, Esc and the title bar's close wait for it
+        (a review saw the dialog close, and the model come all the same)."""
+        self.busy_to_the_end = True
+        self.later_button.setEnabled(False)
+
+    def reject(self) -> None:
+        if not self.busy_to_the_end:
+            super().reject()
+
     @Slot(str, str)
     def on_added(self, name: str, why: str) -> None:
         self.added = name
+        self.busy_to_the_end = False
         if name:
             self.accept()
             return
