@@ -54,8 +54,9 @@ class HeldLock:
 
     def discard(self) -> None:
         """For a conversation being deleted: its lock file goes now, the lock itself at
-        the end of the block. (A writer that opens the name afterwards makes a new file,
-        and finds no conversation to write to.) A file that cannot go is left: it is
+        the end of the block. A writer that had the file open already finds it gone once
+        it holds it, and locks the name's new file instead (`_locked_file`): a chat given
+        the id again has one writer at a time too. A file that cannot go is left: it is
         harmless, and the deletion itself is done."""
         with contextlib.suppress(OSError):
             self.path.unlink()
@@ -68,22 +69,46 @@ def conversation_lock(conversation_id: int, data_dir: Path | None = None) -> Ite
     The lock is per open file, so it also keeps out a second writer in this process.
     """
     path = lock_path(conversation_id, data_dir)
-    with storage_errors():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = _locked_file(conversation_id, path)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            raise ConversationBusy(conversation_id, _holder(fd)) from None
         with storage_errors(path):
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield HeldLock(path)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _locked_file(conversation_id: int, path: Path) -> int:
+    """The lock file, open and locked by us. A file locked just as its chat's deletion
+    removed it is the name's no longer (a review: with ids used again, a writer of the
+    next chat given that id and one holding the removed file both held "the" lock):
+    it is let go, and the name's file locked instead."""
+    with storage_errors():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        with storage_errors(path):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _holder(fd)
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise ConversationBusy(conversation_id, holder) from None
+        if _is_named(fd, path):
+            return fd
+        os.close(fd)
+
+
+def _is_named(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is still the file at `path`."""
+    try:
+        named, held = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def is_locked(conversation_id: int, data_dir: Path | None = None) -> bool:

@@ -115,3 +115,27 @@ def test_two_processes_appending_each_reply_from_the_stored_history():
         user, reply = messages[n], messages[n + 1]
         assert (user.role, reply.role) == ("user", "assistant")
         assert reply.content == f"{user.content} saw {n}"
+
+
+def test_a_lock_file_removed_as_it_was_locked_is_not_held_for_the_name(monkeypatch):
+    """Review: a writer that had opened the lock file just before a deletion removed it,
+    then locked it, held a file no other writer would see; a chat given the id again got
+    a second writer, locking the name's new file. Here that interleaving is forced: the
+    deletion runs between the first writer's open and its lock."""
+    from sessions import locks
+
+    real_flock = locks.fcntl.flock
+    deleted: list[bool] = []
+
+    def flock(fd, operation):
+        if not deleted:  # the first writer has the file open, not yet locked
+            deleted.append(True)
+            with conversation_lock(2) as deleting:
+                deleting.discard()
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(locks.fcntl, "flock", flock)
+    with conversation_lock(2):
+        assert deleted and locks.lock_path(2).exists()
+        with pytest.raises(ConversationBusy), conversation_lock(2):  # the next writer waits
+            pass
