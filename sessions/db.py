@@ -142,6 +142,16 @@ def m006_checkpoint_rows(db: sqlite_utils.Database) -> None:
     db["cache_chunks"].add_column("rows_from", int)
 
 
+@migrations()
+def m007_repetition_penalty_default(db: sqlite_utils.Database) -> None:
+    # Every save of the preferences wrote each of them, the repetition penalty's old
+    # default too (1.0: off); its default is 1.1 now (app/service/preferences.py: the
+    # starter model looped with it off). A stored 1.0 is that old default nearly always,
+    # so it goes and the new default applies; one who wants it off sets it again.
+    if db["settings"].exists():
+        db.execute("delete from settings where key = 'repetition_penalty' and value = '1.0'")
+
+
 def open_db(
     path: Path | None = None,
     busy_timeout_s: float = BUSY_TIMEOUT_S,

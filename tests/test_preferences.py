@@ -56,6 +56,19 @@ def test_a_damaged_saved_value_gives_way_to_its_default(caplog):
     assert "ignoring the saved temperature 'warm'" in caplog.text
 
 
+def test_the_old_default_penalty_saved_by_every_save_gives_way_to_the_new_default():
+    """Every save wrote each preference, the penalty's old default (1.0) too: a user who
+    never touched it would keep the looping replies the new default (1.1) is for."""
+    db = open_db()
+    Preferences(temperature=0.5, repetition_penalty=1.0).save(Settings(db))  # as before
+    db.execute("delete from _sqlite_migrations where name = 'm007_repetition_penalty_default'")
+    db.conn.commit()
+    upgraded = Preferences.load(Settings(open_db()))
+    assert (upgraded.temperature, upgraded.repetition_penalty) == (0.5, 1.1)
+    Preferences(repetition_penalty=1.3).save(Settings(open_db()))  # a choice: it stays
+    assert Preferences.load(Settings(open_db())).repetition_penalty == 1.3
+
+
 def test_flags_override_only_what_they_give():
     saved = Preferences(temperature=0.2, kv_bits=4, max_tokens=99)
     prefs = saved.with_overrides(temperature=0, kv_bits=None, max_tokens=None)
