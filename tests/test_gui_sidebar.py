@@ -201,3 +201,13 @@ def test_a_search_that_finds_nothing_says_so(qtbot, open_window):
     assert "<b>zebras</b>" in window.sidebar.no_matches.text()
     window.sidebar.search.clear()
     assert not window.sidebar.no_matches.isVisible()
+
+
+def test_a_chat_whose_saved_state_lost_some_files_says_it_resumes_in_part():
+    """Review: "resumes at once" was said of a chat whose files were partly evicted."""
+    from app.ui.sidebar import describe_cache
+
+    whole = {"bytes": 5_500_000, "tokens": 600, "chunks": 3, "chunks_on_disk": 3}
+    assert describe_cache(whole) == "resumes at once · 5.5 MB"
+    assert describe_cache(whole | {"chunks_on_disk": 2}) == "resumes in part · 5.5 MB"
+    assert describe_cache(whole | {"bytes": 0, "chunks_on_disk": 0}).startswith("reads the chat")

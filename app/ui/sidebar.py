@@ -141,7 +141,10 @@ def describe_cache(info: dict | None) -> str:
     is its disk's (the status bar says "in memory" for the other size)."""
     if not info or not info.get("bytes"):
         return "reads the chat again when continued"  # its text is kept all the same
-    return f"resumes at once · {info['bytes'] / 1e6:.1f} MB"  # (fits the sidebar at its least)
+    size = f"{info['bytes'] / 1e6:.1f} MB"  # (these words fit the sidebar at its narrowest)
+    if info.get("chunks_on_disk", 0) < info.get("chunks", 0):  # some made room for others
+        return f"resumes in part · {size}"
+    return f"resumes at once · {size}"
 
 
 class Sidebar(QWidget):
