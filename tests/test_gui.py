@@ -606,14 +606,15 @@ def test_a_kv_choice_changed_since_the_last_reply_is_said_beside_its_figures(qtb
     last reply's "Off (full precision)", as if the choice had not been taken."""
     window = open_window()
     send(qtbot, window, "Name a colour.", greedy_tokens=4)
-    assert window.status.stats.text().endswith("· Off (full precision)")
+    assert window.status.stats.text().endswith("· memory saving: Off (full precision)")
     saved = []
     window.engine.worker.preferences_saved.connect(saved.append)
     prefer(window, kv_bits=8)
     qtbot.waitUntil(lambda: bool(saved), timeout=10_000)
-    assert window.status.stats.text().endswith("· Off (full precision) · next reply: 8-bit")
+    said = window.status.stats.text()
+    assert said.endswith("· memory saving: Off (full precision) · next reply: 8-bit")
     send(qtbot, window, "And another?", greedy_tokens=4)
-    assert window.status.stats.text().endswith("· 8-bit"), window.status.stats.text()
+    assert window.status.stats.text().endswith("· memory saving: 8-bit"), window.status.stats.text()
 
 
 def busy_worker(window, monkeypatch):

@@ -135,7 +135,7 @@ def test_chat_settings_from_the_header_reach_the_next_turn(qtbot, open_window):
     last = window.store.get(chat).messages[-1]
     assert last.stats["generated_tokens"] <= 3
     assert last.stats["kv_format"].startswith("4-bit")
-    assert window.status.stats.text().endswith("MB · 4-bit")
+    assert window.status.stats.text().endswith("MB · memory saving: 4-bit")
 
 
 def test_a_chat_of_another_model_offers_to_switch_to_it(qtbot, open_window, tiny_model_dir):

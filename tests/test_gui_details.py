@@ -19,10 +19,11 @@ def test_the_status_bar_names_the_kv_setting_as_preferences_do(qtbot, open_windo
     send(qtbot, window, "Say hello.", greedy_tokens=6)
     dialog = PreferencesDialog(window.preferences(), 0)
     qtbot.addWidget(dialog)
-    assert window.status.stats.text().endswith(f"MB · {dialog.kv_bits.currentText()}")
+    chosen = dialog.kv_bits.currentText()
+    assert window.status.stats.text().endswith(f"MB · memory saving: {chosen}")
     prefer(window, kv_bits=8)
     send(qtbot, window, "Say goodbye.", greedy_tokens=6)
-    assert window.status.stats.text().endswith("MB · 8-bit")
+    assert window.status.stats.text().endswith("MB · memory saving: 8-bit")
 
 
 def test_a_long_code_line_does_not_scroll_the_transcript_sideways(qtbot):

@@ -80,7 +80,9 @@ def stats_text(reply: ReplyFinished) -> str:
         if stats.generated_tokens
         else "no reply yet"
     )
-    return f"{speed} · in memory {cached:,} tokens, {stats.kv_bytes / 1e6:.1f} MB · {kind}"
+    # "memory saving: …" (a new user's walk read a bare "Off (full precision)" as nothing)
+    held = f"in memory {cached:,} tokens, {stats.kv_bytes / 1e6:.1f} MB"
+    return f"{speed} · {held} · memory saving: {kind}"
 
 
 class CutLabel(QLabel):
