@@ -142,12 +142,17 @@ def test_the_model_in_use_is_marked_and_not_deleted(qtbot, tiny_model_dir, monke
     qtbot.addWidget(dialog)
     asked = []
     monkeypatch.setattr(QMessageBox, "question", lambda *a: asked.append(a))
+    dialog.delete_selected()  # nothing chosen: it says what to do (it did nothing)
+    assert dialog.message.text() == "Choose a model in the list above, then Delete."
     item = dialog.table.topLevelItem(0)
     assert item.text(0) == "tiny (in use)"
     dialog.table.setCurrentItem(item)
     dialog.delete_selected()
     assert "tiny" in names() and asked == []
-    assert dialog.message.text().startswith("tiny is the model in use")
+    # The only model: there is no other to choose in the toolbar (a new user's walk).
+    assert dialog.message.text() == (
+        "tiny is the model in use: add another and load it from the toolbar first."
+    )
     engine.shutdown()
 
 

@@ -173,12 +173,14 @@ class ModelsDialog(QDialog):
 
     def delete_selected(self) -> None:
         item = self.table.currentItem()
-        if item is None:
+        if item is None:  # (a new user's walk pressed Delete and nothing happened)
+            self.message.setText("Choose a model in the list above, then Delete.")
             return
         name = item.data(0, Qt.ItemDataRole.UserRole)
         if name == self.in_use:
+            other = "choose another" if self.table.topLevelItemCount() > 1 else "add another"
             self.message.setText(
-                f"{name} is the model in use: choose another in the toolbar, then delete it."
+                f"{name} is the model in use: {other} and load it from the toolbar first."
             )
             return
         linked = (paths.models_dir() / name).is_symlink()
