@@ -132,6 +132,31 @@ def test_a_file_that_is_no_gguf_is_refused_before_a_name_is_asked(
     assert names() == []
 
 
+def test_a_gguf_imported_before_is_not_imported_again_under_another_name(
+    qtbot, tmp_path, monkeypatch
+):
+    """A new user's walk imported the starter again as "Smol copy": a second copy of the
+    same weights, with no word that it was one."""
+    from PySide6.QtWidgets import QFileDialog, QInputDialog
+
+    import tiny
+    from app.engine.gguf_import import import_gguf
+
+    gguf = tiny.write_gguf(tmp_path / "tiny.gguf")
+    import_gguf(gguf, paths.models_dir(), "tiny")
+    engine = WorkerThread()
+    dialog = ModelsDialog(engine.worker)
+    qtbot.addWidget(dialog)
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a: (str(gguf), ""))
+    monkeypatch.setattr(QInputDialog, "exec", lambda box: pytest.fail("a name was asked for"))
+    dialog.choose_gguf()
+    assert dialog.message.text() == (
+        "tiny.gguf is in the library already, as tiny: nothing was added."
+    )
+    assert names() == ["tiny"]
+    engine.shutdown()
+
+
 def test_the_model_in_use_is_marked_and_not_deleted(qtbot, tiny_model_dir, monkeypatch):
     """Deleting the loaded model would leave the window 'Ready' with nothing to run."""
     from PySide6.QtWidgets import QMessageBox

@@ -423,8 +423,14 @@ def _mark_installed(found: list[FoundModel], installed: list[ModelInfo]) -> list
 
 
 def _imported_as(item: FoundModel, installed: list[ModelInfo]) -> str:
+    return imported_as(item.path.name, item.size_bytes, installed)
+
+
+def imported_as(file_name: str, size: int, installed: list[ModelInfo]) -> str:
+    """The library name of the model imported from a GGUF file of this name and size;
+    "" for none."""
     for model in installed:
-        if model.gguf == (item.path.name, item.size_bytes):
+        if model.gguf == (file_name, size):
             return model.name
     return ""
 

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.engine import models
-from app.engine.found import gguf_file_problem
+from app.engine.found import gguf_file_problem, imported_as
 from app.ui import asking
 from app.ui.first_run import suggested_name
 from app.ui.found_list import FoundList
@@ -117,6 +117,12 @@ class ModelsDialog(QDialog):
         if problem is not None:
             self.message.setText(f"{Path(path).name} is {problem}: nothing was added.")
             return
+        already = _already_imported(Path(path))
+        if already:  # a second copy under another name (a new user's walk made one)
+            self.message.setText(
+                f"{Path(path).name} is in the library already, as {already}: nothing was added."
+            )
+            return
         name = asking.model_name(self, suggested_name(Path(path)))
         if name is not None:
             self.start_import(path, name.strip())
@@ -194,3 +200,12 @@ class ModelsDialog(QDialog):
             models.delete(name, paths.models_dir())
             self.refresh()
             self.find_requested.emit()
+
+
+def _already_imported(gguf: Path) -> str:
+    """The library name of a model imported from this very file (its name and size)."""
+    try:
+        size = gguf.stat().st_size
+    except OSError:
+        return ""
+    return imported_as(gguf.name, size, models.list_models(paths.models_dir()))
