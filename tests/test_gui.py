@@ -294,6 +294,19 @@ def test_the_window_cannot_write_the_database(qtbot, open_window):
         window.store.create("any model")
 
 
+def test_the_preferences_labels_are_in_a_users_words(qtbot):
+    """A new user's walk stopped at "Precision groups", "Full precision until" and "Disk
+    budget"."""
+    from PySide6.QtWidgets import QLabel
+
+    dialog = PreferencesDialog(Preferences(), 0)
+    qtbot.addWidget(dialog)
+    labels = {label.text() for label in dialog.findChildren(QLabel)}  # the rows' names too
+    assert {"Group size (advanced)", "Full precision for the first (tokens)"} <= labels
+    assert "Disk space for saved chats" in labels
+    assert not labels & {"Precision groups", "Full precision until (tokens)", "Disk budget"}
+
+
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
 def test_the_kv_choices_show_the_trade_offs_measured_for_this_device(qtbot, library, device):
     """The lines come from the benchmark's figures shipped with the app, those of the
