@@ -472,7 +472,8 @@ def test_quitting_during_a_download_cancels_it_without_a_box(
 ):
     """The download left running behind the closed Models dialog is cancelled by Quit:
     the window goes, no box stops it, and nothing is kept. The wait said "Saving the
-    conversation…" where there was none to save."""
+    conversation…" where there was none to save, and the cancelled download's words came
+    in a box while quitting (a fresh-clone run caught it)."""
     from hub_server import FakeHub
 
     from app.ui import quitting
@@ -499,6 +500,7 @@ def test_quitting_during_a_download_cancels_it_without_a_box(
         assert window.generating
         window.close()
     assert not window.engine.thread.isRunning()
+    qtbot.wait(300)  # what the worker said as it stopped, delivered if the wait had not
     assert said == [] and "Saving the conversation…" not in waiting_texts, (said, waiting_texts)
     assert "tiny" not in window.models.names()
 

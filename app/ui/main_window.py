@@ -90,6 +90,7 @@ class MainWindow(QMainWindow):
         self._turn_behind_load = False  # the turn asked for waits on a model load
         self._turn_asked = False  # a turn was asked for, until it ends
         self._adding = False  # the worker is adding a model
+        self._closing = False  # Quit: waiting for the worker to stop
         self.library_open = False  # the Models dialog is up (menus.open_models)
 
         self.sidebar = Sidebar()
@@ -261,7 +262,9 @@ class MainWindow(QMainWindow):
         the window has none in and none coming, as if picked."""
         if not name:
             self.status.on_failed(why)
-            if not self.library_open:  # else the Models dialog says it, where it was asked
+            # Not in a box where the Models dialog says it, where it was asked, nor while
+            # quitting: Quit cancels a download, and a box would hold the quit up.
+            if not (self.library_open or self._closing):
                 self._warn(why)
             return
         self.status.say(f"Added {name}")
@@ -541,6 +544,7 @@ class MainWindow(QMainWindow):
         its save, then go."""
         self.drafts.keep()
         window_place.keep(self)
+        self._closing = True
         what = quitting.ADDING if self._adding else quitting.SAVING  # an import cannot stop
         quitting.wait_for_worker(self.engine, self, what)
         event.accept()
