@@ -28,9 +28,9 @@ class FakePyPI:
         """`release`: the JSON page's body in place of the real one's (hostile shapes)."""
         self.wheel, self.seconds_per_block, self.block = wheel, seconds_per_block, block
         self.release_body = release
-        self.stall_after: int | None = None  # bytes sent, then a wait of `stall_s`
-        self.stall_s = 0.0
-        self.stalled = threading.Event()  # set while the wheel's sending waits
+        self.mark_after: int | None = None  # bytes of the wheel sent, then `marked` is set
+        self.marked = threading.Event()
+        self.sent = 0  # bytes of the wheel sent so far
         pypi = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -76,7 +76,7 @@ class FakePyPI:
         handler.send_response(200)
         handler.send_header("Content-Length", str(size))
         handler.end_headers()
-        sent = 0
+        self.sent = 0
         with self.wheel.open("rb") as f:
             while block := f.read(self.block):
                 try:
@@ -84,10 +84,7 @@ class FakePyPI:
                     handler.wfile.flush()
                 except OSError:  # the client went (a cancelled download)
                     return
-                sent += len(block)
-                if self.stall_after is not None and sent >= self.stall_after:
-                    self.stall_after = None
-                    self.stalled.set()
-                    time.sleep(self.stall_s)
-                    self.stalled.clear()
+                self.sent += len(block)
+                if self.mark_after is not None and self.sent >= self.mark_after:
+                    self.marked.set()
                 time.sleep(self.seconds_per_block)
