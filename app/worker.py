@@ -186,15 +186,11 @@ class EngineWorker(QObject):
         from app.engine.models import STARTER_MODEL
         from app.engine.starter_fetch import fetch_starter
 
-        def report(done: int, total: int, file: str) -> None:
-            self.download_progress.emit(done, total, file)
-
-        def stage(stage: str, done: int, total: int) -> None:
-            self.import_progress.emit(stage, done, total)
-
         def fetch_and_import() -> Path:
-            gguf = fetch_starter(paths.cache_dir() / "starter", report, self._stop.is_set)
-            added = import_in_child(gguf, paths.models_dir(), STARTER_MODEL, stage).path
+            folder, progress = paths.cache_dir() / "starter", self.download_progress.emit
+            gguf = fetch_starter(folder, progress, self._stop.is_set)
+            stages = self.import_progress.emit
+            added = import_in_child(gguf, paths.models_dir(), STARTER_MODEL, stages).path
             gguf.unlink(missing_ok=True)  # imported: its weights are in the library now
             return added
 

@@ -426,6 +426,20 @@ def test_a_downloads_folder_that_cannot_be_looked_in_does_not_stop_the_start(mon
     assert first_run.starter_gguf() is None
 
 
+def download_behind_the_closed_dialog(qtbot, window) -> None:
+    """Models… → a download from the (fake) hub, and Close once it is under way."""
+    from app.ui.menus import open_models
+    from app.ui.models_dialog import ModelsDialog
+
+    def download_and_close(dialog):
+        dialog.start_download("mlx-community/tiny")
+        qtbot.waitUntil(lambda: "MB" in dialog.message.text(), timeout=60_000)
+        dialog.accept()
+
+    when_a_box_opens(download_and_close, kind=ModelsDialog)
+    open_models(window)
+
+
 def test_enter_while_a_model_is_added_says_so_not_that_a_reply_is_written(
     qtbot, open_window, monkeypatch, tiny_model_dir
 ):
@@ -436,8 +450,6 @@ def test_enter_while_a_model_is_added_says_so_not_that_a_reply_is_written(
     from hub_server import FakeHub
 
     from app.ui.main_window import HELD_BY_ADD
-    from app.ui.menus import open_models
-    from app.ui.models_dialog import ModelsDialog
     from sessions.conversations import ConversationStore
     from sessions.db import open_db
 
@@ -445,14 +457,7 @@ def test_enter_while_a_model_is_added_says_so_not_that_a_reply_is_written(
     window = open_window()
     with FakeHub({"mlx-community/tiny": tiny_model_dir}, seconds_per_block=0.05) as hub:
         monkeypatch.setenv("REPRISE_HF_ENDPOINT", hub.endpoint)
-
-        def download_and_close(dialog):
-            dialog.start_download("mlx-community/tiny")
-            qtbot.waitUntil(lambda: "MB" in dialog.message.text(), timeout=60_000)
-            dialog.accept()
-
-        when_a_box_opens(download_and_close, kind=ModelsDialog)
-        open_models(window)
+        download_behind_the_closed_dialog(qtbot, window)
         assert window.generating  # the worker is busy with the download
         window.composer.edit.setPlainText("Hello?")
         window.composer.edit.submitted.emit()
@@ -477,8 +482,6 @@ def test_quitting_during_a_download_cancels_it_without_a_box(
     from hub_server import FakeHub
 
     from app.ui import quitting
-    from app.ui.menus import open_models
-    from app.ui.models_dialog import ModelsDialog
 
     window = open_window()
     said = boxes_said(monkeypatch)
@@ -489,14 +492,7 @@ def test_quitting_during_a_download_cancels_it_without_a_box(
     monkeypatch.setattr(quitting, "PROGRESS_AFTER_MS", 0)
     with FakeHub({"mlx-community/tiny": tiny_model_dir}, seconds_per_block=0.05) as hub:
         monkeypatch.setenv("REPRISE_HF_ENDPOINT", hub.endpoint)
-
-        def download_and_close(dialog):
-            dialog.start_download("mlx-community/tiny")
-            qtbot.waitUntil(lambda: "MB" in dialog.message.text(), timeout=60_000)
-            dialog.accept()
-
-        when_a_box_opens(download_and_close, kind=ModelsDialog)
-        open_models(window)
+        download_behind_the_closed_dialog(qtbot, window)
         assert window.generating
         window.close()
     assert not window.engine.thread.isRunning()

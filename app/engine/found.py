@@ -416,14 +416,10 @@ def _mark_installed(found: list[FoundModel], installed: list[ModelInfo]) -> list
         if item.kind == MLX:
             name = by_folder.get(str(item.path.resolve()), "")
         else:
-            name = _imported_as(item, installed)
+            name = imported_as(item.path.name, item.size_bytes, installed)
         name = name or (item.name if item.name in names else "")
         marked.append(replace(item, installed_as=name) if name else item)
     return marked
-
-
-def _imported_as(item: FoundModel, installed: list[ModelInfo]) -> str:
-    return imported_as(item.path.name, item.size_bytes, installed)
 
 
 def imported_as(file_name: str, size: int, installed: list[ModelInfo]) -> str:

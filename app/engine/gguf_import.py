@@ -16,7 +16,6 @@ only when complete, so a failed import leaves nothing behind.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from app.engine.gguf_arch import (
 from app.engine.gguf_check import GGUFImportError, check_gguf
 from app.engine.gguf_spm import sentencepiece_tokenizer
 from app.engine.gguf_tensors import read_tensors
-from app.engine.models import check_name, staged_folder
+from app.engine.models import check_name, file_sha256, staged_folder
 
 __all__ = ["GGUFImportError", "ImportedModel", "import_gguf"]
 
@@ -113,7 +112,7 @@ def import_gguf(
             "source": "gguf",
             "gguf_file": gguf_path.name,
             "gguf_bytes": layout.file_size,
-            "gguf_sha256": _sha256(gguf_path),
+            "gguf_sha256": file_sha256(gguf_path),
             "weights": stored,  # the library's weights line (it adds the size itself)
         }
         (staging / "config.json").write_text(json.dumps(config, indent=2))
@@ -213,11 +212,3 @@ def _bpe_tokenizer(tokens: object, merges: object):
         return Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     except Exception as exc:  # tokenizers raises a bare Exception for a bad vocabulary
         raise GGUFImportError(f"The GGUF tokenizer could not be built: {exc}") from exc
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

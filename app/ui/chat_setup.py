@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QObject, Slot
+from PySide6.QtCore import QObject, SignalInstance, Slot
 
 from app.ui import asking
 from app.ui.chat_settings import chat_settings
@@ -20,6 +20,7 @@ from sessions.overrides import ChatOverrides
 
 if TYPE_CHECKING:
     from app.ui.main_window import MainWindow
+    from sessions.conversations import Conversation
 
 MAKING = "Making this chat with its settings: your message goes in a moment"
 
@@ -34,34 +35,37 @@ class ChatSetup(QObject):
     @Slot()
     def change_system_prompt(self) -> None:
         w = self.window
-        chat = self._chat()
-        if chat is False:
+        if not self._can_change():
             return
+        chat = self._on_screen()
         own = (chat.system_prompt if chat else None) or ""
         text = asking.system_prompt(w, own, w.preferences().system_prompt)
         if text is not None and (chat is not None or text.strip()):
-            self.making = chat is None
-            w.system_prompt_requested.emit(w.conversation_id or NEW_CONVERSATION, text)
+            self._ask(w.system_prompt_requested, chat, text)
 
     @Slot()
     def change_chat_settings(self) -> None:
         w = self.window
-        chat = self._chat()
-        if chat is False:
+        if not self._can_change():
             return
-        own = chat.overrides if chat else ChatOverrides()
-        chosen = chat_settings(w, own, w.preferences())
+        chat = self._on_screen()
+        chosen = chat_settings(w, chat.overrides if chat else ChatOverrides(), w.preferences())
         if chosen is not None and (chat is not None or chosen.given()):
-            self.making = chat is None
-            w.chat_settings_requested.emit(w.conversation_id or NEW_CONVERSATION, chosen)
+            self._ask(w.chat_settings_requested, chat, chosen)
 
-    def _chat(self):
-        """The chat on screen; None for a new one a loaded model can make; False where
-        nothing can be changed now (a reply is written, or no model is in)."""
+    def _can_change(self) -> bool:
+        """No change while a reply is written, nor to a new chat with no model to make it."""
         w = self.window
-        if w.generating or (w.conversation_id is None and not w.models.ready):
-            return False
+        return not w.generating and (w.conversation_id is not None or w.models.ready)
+
+    def _on_screen(self) -> Conversation | None:
+        w = self.window
         return w.store.get(w.conversation_id) if w.conversation_id else None
+
+    def _ask(self, request: SignalInstance, chat: Conversation | None, value: object) -> None:
+        """The worker sets `value` for the chat on screen, making it first if it is new."""
+        self.making = chat is None
+        request.emit(self.window.conversation_id or NEW_CONVERSATION, value)
 
     def holds(self, text: str) -> bool:
         """Whether a message sent now waits for the chat being made (kept in the box)."""

@@ -237,9 +237,7 @@ class PreferencesDialog(QDialog):
         form.addRow("In use", self.usage_label)
         form.addRow(
             "",
-            QLabel(
-                "Clearing them only makes reopening slower: no message is ever lost."
-            ),
+            QLabel("Clearing them only makes reopening slower: no message is ever lost."),
         )
         form.addRow(row)
         return page
