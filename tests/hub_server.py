@@ -2,6 +2,9 @@
 
 GET /api/models/{repo}[/revision/{rev}]   the repository's file list (JSON)
 GET /{repo}/resolve/{rev}/{file}          a file's bytes, optionally slowed down
+
+and the ways a hostile or failing hub serves a file (`Misbehaviour`): more bytes than it
+listed, no size listed, a line that stalls or closes mid-file, a listed file it lacks.
 """
 
 from __future__ import annotations
@@ -9,16 +12,41 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
 
+@dataclass
+class Misbehaviour:
+    """What the hub does wrong with one file (by name); all off by default."""
+
+    extra: int = 0  # bytes sent beyond the file (and beyond its listed size)
+    unlisted: bool = False  # the listing gives no size
+    stall_after: int | None = None  # bytes sent, then nothing until the hub closes
+    close_after: int | None = None  # bytes sent, then the connection closes
+    missing: bool = False  # listed, but a 404 when asked for
+
+
+@dataclass
+class Sent:
+    counts: dict[str, int] = field(default_factory=dict)  # bytes of each file sent
+
+
 class FakeHub:
-    def __init__(self, repos: dict[str, Path], seconds_per_block: float = 0.0) -> None:
+    def __init__(
+        self,
+        repos: dict[str, Path],
+        seconds_per_block: float = 0.0,
+        misbehaviour: dict[str, Misbehaviour] | None = None,
+    ) -> None:
         self.repos = repos
         self.seconds_per_block = seconds_per_block
+        self.misbehaviour = misbehaviour or {}
+        self.sent = Sent()
+        self.closing = threading.Event()
         self.requests: list[str] = []
         hub = self
 
@@ -46,6 +74,7 @@ class FakeHub:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -59,7 +88,10 @@ class FakeHub:
             handler.wfile.write(b'{"error": "Repository not found"}')
             return
         siblings = [
-            {"rfilename": f.name, "size": f.stat().st_size}
+            {
+                "rfilename": f.name,
+                "size": None if self._wrong(f.name).unlisted else f.stat().st_size,
+            }
             for f in sorted(folder.iterdir())
             if f.is_file()
         ]
@@ -69,19 +101,31 @@ class FakeHub:
         handler.end_headers()
         handler.wfile.write(body.encode())
 
+    def _wrong(self, name: str) -> Misbehaviour:
+        return self.misbehaviour.get(name, Misbehaviour())
+
     def file(self, handler: BaseHTTPRequestHandler, repo: str, name: str) -> None:
         path = self.repos.get(repo, Path("/nonexistent")) / name
-        if not path.is_file():
+        wrong = self._wrong(name)
+        if not path.is_file() or wrong.missing:
             handler.send_error(404)
             return
-        data = path.read_bytes()
+        data = path.read_bytes() + bytes(wrong.extra)
         handler.send_response(200)
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
+        self.sent.counts[name] = 0
         for start in range(0, len(data), 1 << 16):
             if self.seconds_per_block:
                 time.sleep(self.seconds_per_block)
+            if wrong.stall_after is not None and start >= wrong.stall_after:
+                self.closing.wait()
+                return
+            if wrong.close_after is not None and start >= wrong.close_after:
+                handler.close_connection = True
+                return
             try:
                 handler.wfile.write(data[start : start + (1 << 16)])
             except (BrokenPipeError, ConnectionResetError):
                 return
+            self.sent.counts[name] += len(data[start : start + (1 << 16)])

