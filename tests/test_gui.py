@@ -158,7 +158,8 @@ def test_reopening_after_a_restart_resumes_from_disk(qtbot, open_window):
     assert " tokens restored in " in reopened.status.message.text()
     send(qtbot, reopened, "And the sun?")
     assert finished[-1].restore.source == "memory"
-    assert reopened.status.message.text().startswith("Continuing: ")
+    # Nothing stale stays up: the "Ready: …" of the restore is gone with the reply.
+    assert reopened.status.message.text() == ""
 
 
 def test_a_turn_that_reads_most_of_the_chat_again_does_not_say_continuing(qtbot, open_window):
@@ -173,12 +174,12 @@ def test_a_turn_that_reads_most_of_the_chat_again_does_not_say_continuing(qtbot,
     send(qtbot, window, "And the sun?", greedy_tokens=4)
     text = window.status.message.text()
     # Said as the reply began, in the past (the walk saw "Reading…" while it streamed).
-    assert text.startswith("Read the conversation again ("), text
-    reused, _, total = text.split("(")[1].split(" tokens")[0].partition(" of ")
+    assert text.startswith("Read the conversation again: it changed near the start"), text
+    reused, _, total = text.split("(kept ")[1].split(" tokens")[0].partition(" of ")
     assert int(reused.replace(",", "")) * 2 < int(total.replace(",", ""))
     # A long new message reads more than the chat held, but the chat is not read again.
     send(qtbot, window, "Here is a long note to think about. " * 60, greedy_tokens=4)
-    assert window.status.message.text().startswith("Continuing: "), window.status.message.text()
+    assert window.status.message.text() == ""
 
 
 def test_a_newer_selection_skips_the_restore_of_the_one_before(qtbot, open_window):
@@ -580,8 +581,23 @@ def test_a_reply_stopped_before_its_first_token_gives_no_speed():
         stats = TurnStats(prompt_tokens=40, ttft_s=0.05, generated_tokens=generated, decode_s=0.5)
         return ReplyFinished("", stats, RestoreInfo(), 1, 2)
 
-    assert stats_text(reply(0)).startswith("no reply yet · in memory 40 tokens")
-    assert stats_text(reply(10)).startswith("first token 50 ms · 20.0 tok/s · in memory 50")
+    assert stats_text(reply(0)).startswith("no reply yet · chat in memory: 40 tokens")
+    assert stats_text(reply(10)).startswith("first token 50 ms · 20.0 tok/s · chat in memory: 50")
+
+
+def test_the_status_bar_says_where_a_reply_started_in_words():
+    """Found on new-user walks: "Continuing: 71 tokens already in memory" stayed up after
+    the reply; "(6 of 595 tokens were in memory)" explained nothing."""
+    from app.ui.turn_status import restore_text
+
+    assert restore_text("memory", 71, 0.0, 80, 71) == "Continuing the chat: reading your message"
+    assert restore_text("memory", 71, 0.0, 80, 71, read=True) == ""
+    assert restore_text("memory", 6, 0.0, 595, 590, read=True) == (
+        "Read the conversation again: it changed near the start (kept 6 of 595 tokens)"
+    )
+    assert restore_text("disk", 4096, 0.05, read=True) == (
+        "Resumed from saved cache: 4,096 tokens in 50 ms"
+    )
 
 
 def test_a_long_status_message_ends_with_an_ellipsis_beside_whole_figures(qtbot):
@@ -594,7 +610,7 @@ def test_a_long_status_message_ends_with_an_ellipsis_beside_whole_figures(qtbot)
     status = TurnStatus(window.statusBar())
     window.resize(700, 300)
     window.show()
-    figures = "first token 0.13 s · 39.0 tok/s · in memory 2,757 tokens, 64.9 MB"
+    figures = "first token 0.13 s · 39.0 tok/s · chat in memory: 2,757 tokens, 64.9 MB"
     status.stats.setText(figures)
     long = "trunc.gguf could not be read (damaged or truncated?): " + "tensor data " * 20
     status.say(long)

@@ -66,7 +66,7 @@ def test_export_names_are_safe_file_names():
 def test_the_two_cache_sizes_say_which_is_which(qtbot, open_window):
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=6)
-    assert "in memory " in window.status.stats.text()
+    assert "chat in memory: " in window.status.stats.text()
     assert re.match(r"first token \d+ ms|first token \d+\.\d\d s", window.status.stats.text())
     assert "KV" not in window.status.stats.text()
     # One number is called the context: the meter's (the cache holds a few tokens fewer).

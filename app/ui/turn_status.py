@@ -44,20 +44,22 @@ def restore_text(
     held_tokens: int = 0,
     read: bool = False,
 ) -> str:
-    """Where the turn's cache came from. Most of the prompt read again because the chat
-    changed (a changed system prompt, an edit near the start: memory kept less than it
-    held) is not "continuing", whatever was in memory; a long new message is. `read`:
-    the reply has begun, so what was being read has been (a new-user walk saw "Reading…"
-    stay up while the reply streamed)."""
+    """Where the turn's cache came from, in the user's words. Most of the prompt read
+    again because the chat changed (a changed system prompt, an edit near the start:
+    memory kept less than it held) is not "continuing", whatever was in memory; a long
+    new message is. `read`: the reply has begun, so what was being read has been (a
+    new-user walk saw "Reading…" stay up while the reply streamed). A chat that simply
+    goes on has nothing to say once its reply begins (a walk saw "Continuing: 71 tokens
+    already in memory" stay up after the reply, and read it as jargon)."""
     if source == "disk":
         return f"Resumed from saved cache: {tokens:,} tokens in {took(seconds)}"
     if source == "memory" and prompt_tokens > 2 * tokens and tokens < held_tokens:
-        held = f"{tokens:,} of {prompt_tokens:,} tokens"
+        kept = f"kept {tokens:,} of {prompt_tokens:,} tokens"
         if read:
-            return f"Read the conversation again ({held} were in memory)"
-        return f"Reading the conversation again: {held} in memory"
+            return f"Read the conversation again: it changed near the start ({kept})"
+        return f"Reading the conversation again: it changed near the start ({kept})"
     if source == "memory":
-        return f"Continuing: {tokens:,} tokens already in memory"
+        return "" if read else "Continuing the chat: reading your message"
     return (
         "Read the conversation from the start"
         if read
@@ -80,8 +82,9 @@ def stats_text(reply: ReplyFinished) -> str:
         if stats.generated_tokens
         else "no reply yet"
     )
-    # "memory saving: …" (a new user's walk read a bare "Off (full precision)" as nothing)
-    held = f"in memory {cached:,} tokens, {stats.kv_bytes / 1e6:.1f} MB"
+    # "memory saving: …" (a new user's walk read a bare "Off (full precision)" as nothing,
+    # and "in memory 71 tokens" as jargon)
+    held = f"chat in memory: {cached:,} tokens, {stats.kv_bytes / 1e6:.1f} MB"
     return f"{speed} · {held} · memory saving: {kind}"
 
 
