@@ -33,6 +33,7 @@ from app.service.preferences import Preferences
 from app.ui.asking import PromptDialog
 from app.ui.chat_view import ChatView
 from app.ui.main_window import MainWindow
+from app.ui.model_flow import ModelFlow
 from app.ui.preferences import KV_FIGURES, PreferencesDialog, kv_tradeoffs
 from app.ui.setting_words import FIELDS
 from app.ui.turn_status import TurnStatus, live_text
@@ -417,7 +418,6 @@ def test_a_long_prompts_bar_shows_its_whole_text(qtbot, open_window):
 
 HANDLERS = {  # every handler of a worker signal, by the class that has it
     MainWindow: {
-        "on_model_loaded",
         "on_conversation_started",
         "on_restored",
         "on_finished",
@@ -428,6 +428,7 @@ HANDLERS = {  # every handler of a worker signal, by the class that has it
         "on_busy",
         "on_context_counted",
     },
+    ModelFlow: {"on_loaded", "on_added", "on_import_progress", "on_download_progress"},
     ChatView: {"add_text"},
     TurnStatus: {"on_first_text", "on_text", "on_prompt_progress"},
 }
@@ -454,7 +455,8 @@ def test_every_worker_signal_is_handled_on_the_gui_thread(qtbot, open_window, mo
     thread, whatever thread emits: no widget is ever changed from the worker's."""
     window = open_window()
     for cls, names in HANDLERS.items():
-        obj = next(o for o in (window, window.chat, window.status) if type(o) is cls)
+        shown = (window, window.model_flow, window.chat, window.status)
+        obj = next(o for o in shown if type(o) is cls)
         assert names <= slot_names(obj), names - slot_names(obj)
 
     threads: dict[str, set[int]] = {}

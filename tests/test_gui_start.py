@@ -215,7 +215,7 @@ def test_while_the_model_loads_a_second_message_waits_and_stop_is_heard(
     boxes_said(monkeypatch)
     window = open_window()
     prefer(window, temperature=0.0, max_tokens=400)
-    window.on_model_picked(window.models.current())  # loading again
+    window.model_flow.pick(window.models.current())  # loading again
     window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
     window.composer.edit.submitted.emit()
     assert window.composer.button.text() == "Stop"
@@ -246,9 +246,9 @@ def test_two_quick_picks_never_say_ready_with_no_model(
     (paths.models_dir() / "Other").symlink_to(starter_model_dir)
     a_model_without_weights(starter_model_dir, "broken")
     window = open_window()
-    window.refresh_models()
-    window.on_model_picked("Other")
-    window.on_model_picked("broken")
+    window.model_flow.refresh()
+    window.model_flow.pick("Other")
+    window.model_flow.pick("broken")
     qtbot.waitUntil(lambda: bool(said), timeout=READY_MS)
     qtbot.wait(500)  # the first pick's answer has come too
     assert not window.models.ready and window.models.state.text() == "No model loaded"
@@ -282,8 +282,8 @@ def test_a_message_sent_while_a_broken_model_loads_gets_one_box_and_is_kept(
     monkeypatch.setattr(QMessageBox, "warning", read_for_a_second)
     a_model_without_weights(starter_model_dir, "broken")
     window = open_window()
-    window.refresh_models()
-    window.on_model_picked("broken")
+    window.model_flow.refresh()
+    window.model_flow.pick("broken")
     window.composer.edit.setPlainText("Name a colour.")
     window.composer.edit.submitted.emit()
     answered = lambda: bool(said) and window.composer.button.text() == "Send"  # noqa: E731

@@ -4,7 +4,6 @@ worker (which owns the `ChatService`, the one writer) for every change."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
@@ -17,9 +16,8 @@ from PySide6.QtWidgets import (
 )
 
 from app import __version__
-from app.engine.models import STARTER_MODEL, list_models
 from app.service.preferences import Preferences
-from app.ui import asking, quitting, render, theme, window_place
+from app.ui import asking, quitting, theme, window_place
 from app.ui.chat_header import ChatHeader
 from app.ui.chat_setup import ChatSetup
 from app.ui.chat_view import ChatView
@@ -28,13 +26,13 @@ from app.ui.context_meter import ContextMeter
 from app.ui.draft_keeper import DraftKeeper
 from app.ui.menus import build_menus
 from app.ui.model_bar import ModelBar
+from app.ui.model_flow import ModelFlow
 from app.ui.preferences import kv_label
 from app.ui.reading import rendered_messages, sidebar_entries
 from app.ui.sidebar import Sidebar
 from app.ui.turn_flow import TurnFlow
 from app.ui.turn_status import TurnStatus
-from app.worker import NEW_CONVERSATION, NO_MODELS, WorkerThread
-from sessions import paths
+from app.worker import NEW_CONVERSATION, WorkerThread
 from sessions.cachefiles import CacheIndex
 from sessions.conversations import ConversationStore
 from sessions.db import open_db
@@ -86,11 +84,9 @@ class MainWindow(QMainWindow):
         self._asked: Preferences | None = None  # asked to be saved, not saved yet
         self.generating = False
         self._boxes_up: set[str] = set()  # the failures a box on screen says
-        self._load_failure = ""  # why the model last asked for did not load, until one does
-        self._turn_behind_load = False  # the turn asked for waits on a model load
         self._turn_asked = False  # a turn was asked for, until it ends
         self._adding = False  # the worker is adding a model
-        self._closing = False  # Quit: waiting for the worker to stop
+        self.closing = False  # Quit: waiting for the worker to stop
         self.library_open = False  # the Models dialog is up (menus.open_models)
 
         self.sidebar = Sidebar()
@@ -109,17 +105,18 @@ class MainWindow(QMainWindow):
         self.status = TurnStatus(self.statusBar())
         self.turns = TurnFlow(self)
         self.setup = ChatSetup(self)
+        self.model_flow = ModelFlow(self)
         build_menus(self)
 
         self.engine = WorkerThread()
         self._wire()
-        self.refresh_models()
+        self.model_flow.refresh()
         self.refresh_sidebar()
         chats = self.store.list()  # the most recently used first
         self.drafts.prune({chat.id for chat in chats})
         self.show_conversation(window_place.chat_left_open(left, [c.id for c in chats]))
         self.composer.edit.setFocus()  # open ready to type
-        self.load_chosen_model()
+        self.model_flow.load_chosen()
 
     def preferences(self) -> Preferences:
         """The preferences as the user last set them: the ones asked for and not yet
@@ -182,7 +179,7 @@ class MainWindow(QMainWindow):
             (self.chat_model_requested, worker.set_chat_model),
         ):
             request.connect(slot)
-        worker.model_loaded.connect(self.on_model_loaded)
+        worker.model_loaded.connect(self.model_flow.on_loaded)
         worker.preferences_saved.connect(self.on_preferences_saved)
         worker.conversation_started.connect(self.on_conversation_started)
         worker.restored.connect(self.on_restored)
@@ -201,9 +198,9 @@ class MainWindow(QMainWindow):
         worker.adding_changed.connect(self.on_adding)
         worker.context_counted.connect(self.on_context_counted)
         worker.prefetched.connect(self.on_prefetched)
-        worker.model_added.connect(self.on_model_added)
-        worker.import_progress.connect(self.on_import_progress)
-        worker.download_progress.connect(self.on_download_progress)
+        worker.model_added.connect(self.model_flow.on_added)
+        worker.import_progress.connect(self.model_flow.on_import_progress)
+        worker.download_progress.connect(self.model_flow.on_download_progress)
         self.composer.edit.textChanged.connect(self._count_soon.start)
         self._count_soon.timeout.connect(self.ask_context)
         self.meter.new_chat_requested.connect(self.turns.send_in_new_chat)
@@ -218,7 +215,7 @@ class MainWindow(QMainWindow):
         self.chat.action.connect(self.turns.on_chat_action)
         self.header.system_prompt_requested.connect(self.setup.change_system_prompt)
         self.header.settings_requested.connect(self.setup.change_chat_settings)
-        self.header.switch_requested.connect(self.on_model_picked)
+        self.header.switch_requested.connect(self.model_flow.pick)
         self.header.keep_requested.connect(self.keep_chat_model)
         self.sidebar.new_requested.connect(self.new_chat)
         self.sidebar.conversation_selected.connect(self.show_conversation)
@@ -228,69 +225,10 @@ class MainWindow(QMainWindow):
         self.sidebar.rename_requested.connect(self.rename)
         self.sidebar.delete_requested.connect(self.delete)
         self.sidebar.export_requested.connect(self.export)
-        self.models.picked.connect(self.on_model_picked)
+        self.models.picked.connect(self.model_flow.pick)
 
-    # -- models ----------------------------------------------------------------
-
-    @Slot(str)
-    def on_model_picked(self, name: str) -> None:
-        self._load_failure = ""
-        self.ask_to_save(replace(self.preferences(), model=name))
-        self.models.show_loading(name)
-        self.load_model_requested.emit(name)
-
-    def refresh_models(self) -> None:
-        names = [m.name for m in list_models(paths.models_dir())]
-        self.models.show_models(names, self.preferences().model, STARTER_MODEL)
-        self.chat.set_empty_text(render.START if names else render.ADD_A_MODEL)
-
-    def load_chosen_model(self) -> None:
-        """Load the model the toolbar shows (at start, or once the Models dialog added a
-        first one); with none in the library, say how to add one: no load to fail, and
-        no box to dismiss."""
-        if not self.models.names():
-            self.models.show_failed()
-            self.status.say(NO_MODELS)
-            return
-        self.models.show_loading(self.models.current())
-        self.load_model_requested.emit(self.models.current())
-
-    @Slot(str, str)
-    def on_model_added(self, name: str, why: str) -> None:
-        """A model came into the library (the Models dialog's import or download, which
-        may end after the dialog is closed): the toolbar lists it, and loads it where
-        the window has none in and none coming, as if picked."""
-        if not name:
-            self.status.on_failed(why)
-            # Not in a box where the Models dialog says it, where it was asked, nor while
-            # quitting: Quit cancels a download, and a box would hold the quit up.
-            if not (self.library_open or self._closing):
-                self._warn(why)
-            return
-        self.status.say(f"Added {name}")
-        self.refresh_models()
-        if not self.models.ready and self.models.awaited is None:
-            self.on_model_picked(name)  # the one just added (the chosen one may not load)
-
-    # An import or download goes on after the Models dialog is closed: the status bar
-    # follows it there (a new user's walk saw "There is no model yet" all along, then
-    # the model, with no word of it).
-    @Slot(str, int, int)
-    def on_import_progress(self, stage: str, _done: int, _total: int) -> None:
-        if not self.library_open:
-            self.status.say(f"Adding the model: {stage}")
-
-    @Slot(int, int, str)
-    def on_download_progress(self, done: int, total: int, _file: str) -> None:
-        if not self.library_open:
-            self.status.say(f"Downloading the model: {done / 1e6:.1f} of {total / 1e6:.1f} MB")
-
-    @Slot(str, str)
-    def on_model_loaded(self, name: str, compute: str) -> None:
-        if not self.models.show_loaded(name, compute):
-            return  # an earlier model's: the one picked since is still loading
-        self._load_failure = ""
-        self.status.unsay(NO_MODELS)
+    def model_ready(self) -> None:
+        """The model picked is in: the header, the meter and the chat's cache follow."""
         self._show_header()
         self.ask_context()
         if not self.generating:  # a turn that loaded the model has its cache
@@ -408,7 +346,7 @@ class MainWindow(QMainWindow):
         a second turn, and Stop then was not heard."""
         self.generating = True
         self._turn_asked = True
-        self._turn_behind_load = self.models.load_pending
+        self.model_flow.turn_asked()
         self.composer.set_generating(True)
         self.engine.worker.arm()
 
@@ -479,27 +417,16 @@ class MainWindow(QMainWindow):
 
     @Slot(str)
     def on_failed(self, message: str) -> None:
-        """The failure in the status bar and in a box, one box a failure: a message sent
-        while a model loads is answered by a turn that loads it again, and fails as the
-        load did (that one is said in the status bar only; a message sent later gets its
-        box); nor a second box over one that says the same."""
+        """The failure in the status bar and in a box, one box a failure (a turn behind a
+        model's load that failed fails as it did: `ModelFlow.said_already`)."""
         loading = self.models.load_pending  # before `show_failed` ends it
         self.setup.failed()
         self.status.on_failed(message)
         self.models.show_failed()
-        if loading:
-            self._load_failure = message
-        elif message == self._load_failure and self._turn_behind_load:
-            self._turn_behind_load = False  # that turn's, once: a later send gets its box
-            return
-        self._warn(message)
+        if not self.model_flow.said_already(message, loading):
+            self.warn(message)
 
-    @property
-    def load_failed(self) -> bool:
-        """The model last asked for did not load (and none has since, nor been picked)."""
-        return bool(self._load_failure)
-
-    def _warn(self, message: str) -> None:
+    def warn(self, message: str) -> None:
         """A warning box, unless one on screen says the same already."""
         if message in self._boxes_up:
             return
@@ -544,7 +471,7 @@ class MainWindow(QMainWindow):
         its save, then go."""
         self.drafts.keep()
         window_place.keep(self)
-        self._closing = True
+        self.closing = True
         what = quitting.ADDING if self._adding else quitting.SAVING  # an import cannot stop
         quitting.wait_for_worker(self.engine, self, what)
         event.accept()

@@ -122,9 +122,9 @@ def open_models(window: MainWindow) -> None:
     finally:
         window.library_open = False
         dialog.deleteLater()  # kept, hidden, it would go on answering the worker's signals
-    window.refresh_models()
-    if not (window.models.ready or window.models.awaited or window.load_failed):
-        window.load_chosen_model()  # the library's first model, say
+    window.model_flow.refresh()
+    if not (window.models.ready or window.models.awaited or window.model_flow.load_failed):
+        window.model_flow.load_chosen()  # the library's first model, say
 
 
 def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable[[], None]]]]:
