@@ -62,7 +62,8 @@ class EngineWorker(QObject):
     busy_changed = Signal(bool)  # a turn began or ended
     adding_changed = Signal(bool)  # a model's import, download or link began or ended
     import_progress = Signal(str, int, int)  # stage, done, total
-    download_progress = Signal(int, int, str)  # bytes done, bytes in all, file
+    # Bytes as Python ints: a Qt int is 32 bits, and a model past 2.1 GB wrapped (a review).
+    download_progress = Signal(object, object, str)  # bytes done, bytes in all, file
     model_added = Signal(str, str)  # the new model's name, or "" and what the user was told
     prefetched = Signal(int, object)  # conversation, RestoreInfo: its cache is in memory
     models_found = Signal(object)  # found.Discovery: what other tools keep on this computer

@@ -28,6 +28,8 @@ class Misbehaviour:
     stall_after: int | None = None  # bytes sent, then nothing until the hub closes
     close_after: int | None = None  # bytes sent, then the connection closes
     missing: bool = False  # listed, but a 404 when asked for
+    listed: object = ...  # the size the listing gives (...: the file's own)
+    redirect_to: str | None = None  # another hub's endpoint, where the file is sent on to
 
 
 @dataclass
@@ -41,13 +43,16 @@ class FakeHub:
         repos: dict[str, Path],
         seconds_per_block: float = 0.0,
         misbehaviour: dict[str, Misbehaviour] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.repos = repos
         self.seconds_per_block = seconds_per_block
         self.misbehaviour = misbehaviour or {}
         self.sent = Sent()
         self.closing = threading.Event()
+        self.stalled = threading.Event()  # a file's bytes have stopped (`stall_after`)
         self.requests: list[str] = []
+        self.authorizations: list[str | None] = []  # each request's Authorization header
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -56,6 +61,7 @@ class FakeHub:
 
             def do_GET(self) -> None:
                 hub.requests.append(self.path)
+                hub.authorizations.append(self.headers.get("Authorization"))
                 path = self.path.split("?", 1)[0]
                 if path.startswith("/api/models/"):
                     hub.listing(self, path[len("/api/models/") :].split("/revision/")[0])
@@ -65,8 +71,8 @@ class FakeHub:
                 else:
                     self.send_error(404)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer((host, 0), Handler)
+        self.endpoint = f"http://{host}:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> FakeHub:
@@ -88,10 +94,7 @@ class FakeHub:
             handler.wfile.write(b'{"error": "Repository not found"}')
             return
         siblings = [
-            {
-                "rfilename": f.name,
-                "size": None if self._wrong(f.name).unlisted else f.stat().st_size,
-            }
+            {"rfilename": f.name, "size": self._listed_size(f)}
             for f in sorted(folder.iterdir())
             if f.is_file()
         ]
@@ -104,11 +107,22 @@ class FakeHub:
     def _wrong(self, name: str) -> Misbehaviour:
         return self.misbehaviour.get(name, Misbehaviour())
 
+    def _listed_size(self, path: Path) -> object:
+        wrong = self._wrong(path.name)
+        if wrong.unlisted:
+            return None
+        return path.stat().st_size if wrong.listed is ... else wrong.listed
+
     def file(self, handler: BaseHTTPRequestHandler, repo: str, name: str) -> None:
         path = self.repos.get(repo, Path("/nonexistent")) / name
         wrong = self._wrong(name)
         if not path.is_file() or wrong.missing:
             handler.send_error(404)
+            return
+        if wrong.redirect_to:
+            handler.send_response(302)
+            handler.send_header("Location", f"{wrong.redirect_to}{handler.path}")
+            handler.end_headers()
             return
         data = path.read_bytes() + bytes(wrong.extra)
         handler.send_response(200)
@@ -119,6 +133,8 @@ class FakeHub:
             if self.seconds_per_block:
                 time.sleep(self.seconds_per_block)
             if wrong.stall_after is not None and start >= wrong.stall_after:
+                handler.wfile.flush()
+                self.stalled.set()
                 self.closing.wait()
                 return
             if wrong.close_after is not None and start >= wrong.close_after:

@@ -25,7 +25,8 @@ class FakePyPI:
     def __init__(
         self, wheel: Path, seconds_per_block: float = 0.0, block: int = 1 << 20, release=None
     ) -> None:
-        """`release`: the JSON page's body in place of the real one's (hostile shapes)."""
+        """`release`: the JSON page's body in place of the real one's (hostile shapes),
+        or bytes sent as they are."""
         self.wheel, self.seconds_per_block, self.block = wheel, seconds_per_block, block
         self.release_body = release
         self.mark_after: int | None = None  # bytes of the wheel sent, then `marked` is set
@@ -65,7 +66,10 @@ class FakePyPI:
             "size": self.listed_size or self.wheel.stat().st_size,
         }
         page = {"info": {"name": PACKAGE}, "urls": [wheel]}
-        body = json.dumps(page if self.release_body is None else self.release_body).encode()
+        if isinstance(self.release_body, bytes):  # as it is: not JSON, or JSON too deep
+            body = self.release_body
+        else:
+            body = json.dumps(page if self.release_body is None else self.release_body).encode()
         handler.send_response(200)
         handler.send_header("Content-Type", "application/json")
         handler.send_header("Content-Length", str(len(body)))

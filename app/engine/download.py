@@ -26,6 +26,7 @@ from huggingface_hub.utils import HFValidationError, build_hf_headers, validate_
 from app.engine.incoming import (  # noqa: F401  (the errors are this module's too)
     BLOCK,
     PIECE,
+    READ_TIMEOUT_S,
     DownloadCancelled,
     DownloadError,
     Incoming,
@@ -54,8 +55,17 @@ WANTED = (
 RESERVE_BYTES = 1 << 30
 
 
-def _wanted(name: str) -> bool:
-    return "/" not in name and any(fnmatch.fnmatch(name, p) for p in WANTED)
+def _wanted(name: object) -> bool:
+    """A file the model needs, named as a plain file in the model's folder (the listing
+    is the hub's word, untrusted: no folders, nothing hidden, nothing the disk cannot
+    name)."""
+    return (
+        isinstance(name, str)
+        and not any(c in name for c in "/\\\0")
+        and not name.startswith(".")
+        and len(name.encode("utf-8", "replace")) <= 255
+        and any(fnmatch.fnmatch(name, p) for p in WANTED)
+    )
 
 
 def hub_endpoint() -> str | None:
@@ -105,13 +115,10 @@ def download_model(
     target = models_dir / name
     if target.exists():
         raise DownloadError(f"A model named {name!r} already exists in {models_dir}")
-    try:
-        info = HfApi(endpoint=endpoint).model_info(repo_id, files_metadata=True)
-    except RepositoryNotFoundError as exc:
-        raise DownloadError(f"No model {repo_id!r} on the hub (or it is private)") from exc
-    except Exception as exc:  # HfHubHTTPError, OSError, or the HTTP client's own errors
-        raise DownloadError(_unreachable(repo_id, endpoint, exc)) from exc
-    files = [(s.rfilename, s.size or 0) for s in info.siblings or [] if _wanted(s.rfilename)]
+    info = _listing(repo_id, endpoint)
+    if should_cancel():  # the listing can take a while to come
+        raise DownloadCancelled()
+    files = _files(info, repo_id, endpoint)
     names = {f for f, _ in files}
     if "config.json" not in names or not any(f.endswith(".safetensors") for f in names):
         raise DownloadError(
@@ -119,27 +126,71 @@ def download_model(
             "mlx-community on the hub has converted ones"
         )
     total = sum(size for _, size in files)
-    done = 0
+    done = unlisted = 0
     with staged_folder(models_dir, name, "download") as staging:
-        room = _room(staging, total)
+        spare = _room(staging, total) - total  # what files with no size listed may fill
         headers = build_hf_headers()
         for filename, size in files:
             incoming = Incoming(
                 hf_hub_url(repo_id, filename, revision=info.sha, endpoint=endpoint),
                 filename,
                 said=size,
-                cap=size or max(room - done, 0),  # a file with no size listed may fill the room
+                cap=size or max(spare - unlisted, 0),
                 headers=headers,
             )
-            done += save(
+            written = save(
                 incoming,
                 staging / filename,
                 lambda exc, f=filename: _lost(f, repo_id, endpoint, exc),
-                lambda written, before=done, f=filename: report(before + written, total, f),
+                # Never past the total: files with no size listed are not in it.
+                lambda n, before=done, f=filename: report(before + n, max(total, before + n), f),
                 should_cancel,
             )
-    report(total, total, "")
+            done, unlisted = done + written, unlisted + (0 if size else written)
+    report(done, max(total, done), "")
     return target
+
+
+def _listing(repo_id: str, endpoint: str | None):
+    """The hub's word on the repository: its files and their sizes."""
+    try:
+        return HfApi(endpoint=endpoint).model_info(
+            repo_id, files_metadata=True, timeout=READ_TIMEOUT_S
+        )
+    except RepositoryNotFoundError as exc:
+        raise DownloadError(f"No model {repo_id!r} on the hub (or it is private)") from exc
+    except UNREADABLE as exc:  # it answered, with something that is not a listing
+        raise DownloadError(_unreadable(repo_id, endpoint)) from exc
+    except Exception as exc:  # HfHubHTTPError, OSError, or the HTTP client's own errors
+        raise DownloadError(_unreachable(repo_id, endpoint, exc)) from exc
+
+
+# What a listing of the wrong shape raises, as parsed (a review sent names as numbers,
+# sizes as text, nesting past Python's recursion limit).
+UNREADABLE = (TypeError, ValueError, KeyError, AttributeError, RecursionError, OverflowError)
+
+
+def _unreadable(repo_id: str, endpoint: str | None) -> str:
+    host = _host(endpoint or "https://huggingface.co")
+    return (
+        f"The hub ({host}) answered, but its list of {repo_id!r}'s files could not be "
+        "read: nothing was downloaded. Try again later."
+    )
+
+
+def _files(info, repo_id: str, endpoint: str | None) -> list[tuple[str, int]]:
+    """The wanted files and their listed sizes (0: none listed). A size that is not a
+    count of bytes, or a name listed twice, is a damaged listing: sizes are what cap the
+    download, and a NaN or a negative one undid the cap (a review)."""
+    files: dict[str, int] = {}
+    for sibling in info.siblings or []:
+        name, size = getattr(sibling, "rfilename", None), getattr(sibling, "size", None)
+        if not _wanted(name):
+            continue
+        if name in files or not (size is None or (type(size) is int and size >= 0)):
+            raise DownloadError(_unreadable(repo_id, endpoint))
+        files[name] = size or 0
+    return list(files.items())
 
 
 def _room(folder: Path, total: int) -> int:

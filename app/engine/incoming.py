@@ -10,7 +10,9 @@ the caller says how a failure to reach it reads (`unreachable`).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,9 +51,29 @@ class Incoming:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-# Network and protocol failures while connecting or reading; a timed-out read is an
-# OSError (TimeoutError), a connection closed early an http.client.IncompleteRead.
-NETWORK_ERRORS = (OSError, http.client.HTTPException)
+# Network and protocol failures while connecting or reading: a timed-out read is an
+# OSError (TimeoutError), a connection closed mid-chunk an http.client.IncompleteRead, a
+# redirect to something that is not an address a ValueError (a review's "http://[::1/x").
+NETWORK_ERRORS = (OSError, http.client.HTTPException, ValueError)
+
+
+class _NoAuthElsewhere(urllib.request.HTTPRedirectHandler):
+    """Redirects followed, but the user's hub token goes to no other host: urllib copies
+    every header onto a redirect (a review's second server got `Bearer hf_…`), and the
+    hub sends its files' downloads to a CDN's host."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        request = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if request is not None and _host(newurl) != _host(req.full_url):
+            request.remove_header("Authorization")
+        return request
+
+
+def _host(url: str) -> str | None:
+    return urllib.parse.urlsplit(url).hostname
+
+
+_OPENER = urllib.request.build_opener(_NoAuthElsewhere)
 
 
 def save(
@@ -62,47 +84,79 @@ def save(
     should_cancel: Callable[[], bool] = lambda: False,
 ) -> int:
     """Stream `incoming` into `path`; the bytes written. `on_bytes` hears the count once a
-    MiB and at the end. Refused in words: past its cap, short of what the server said,
-    a lost line (`unreachable(exc)` says it), a disk that will not take it."""
+    MiB and at the end. Refused in words: past its cap, short of what the server said
+    (in its listing, or else in its Content-Length), a lost line (`unreachable(exc)` says
+    it; Cancel pressed meanwhile is said as such), a disk that will not take it."""
     request = urllib.request.Request(incoming.url, headers=incoming.headers)
-    try:
-        response = urllib.request.urlopen(request, timeout=READ_TIMEOUT_S)
-    except NETWORK_ERRORS as exc:
-        raise DownloadError(unreachable(exc)) from exc
-    written = 0
-    with response, path.open("wb") as out:
-        while piece := _next_piece(response, unreachable):
-            if should_cancel():
-                raise DownloadCancelled()
-            written += len(piece)
-            if written > incoming.cap:
-                raise DownloadError(_too_large(incoming))
-            _write(out, piece, incoming.name, path)
-            if (written - len(piece)) // BLOCK != written // BLOCK:
-                on_bytes(written)
-    on_bytes(written)
-    if incoming.said and written != incoming.said:
+    with _lost_as(unreachable, should_cancel):
+        response = _OPENER.open(request, timeout=READ_TIMEOUT_S)
+    with response:
+        said = incoming.said or response.length or 0  # a file with no size listed
+        if said > incoming.cap:
+            raise DownloadError(_too_large(incoming))
+        written = _copy(
+            response, _opened(path, incoming.name), incoming, unreachable, on_bytes, should_cancel
+        )
+    if said and written != said:
         raise DownloadError(
-            f"{incoming.name} arrived incomplete ({written:,} of {incoming.said:,} bytes); "
+            f"{incoming.name} arrived incomplete ({written:,} of {said:,} bytes); "
             "nothing was kept. Try again."
         )
     return written
 
 
-def _next_piece(response: http.client.HTTPResponse, unreachable) -> bytes:
+def _copy(response, out, incoming: Incoming, unreachable, on_bytes, should_cancel) -> int:
+    written = 0
+    with out:
+        while True:
+            with _lost_as(unreachable, should_cancel):
+                piece = response.read1(PIECE)
+            if not piece:
+                break
+            if should_cancel():
+                raise DownloadCancelled()
+            written += len(piece)
+            if written > incoming.cap:
+                raise DownloadError(_too_large(incoming))
+            _write(out, piece, incoming.name, Path(out.name))
+            if (written - len(piece)) // BLOCK != written // BLOCK:
+                on_bytes(written)
+    on_bytes(written)
+    return written
+
+
+@contextlib.contextmanager
+def _lost_as(unreachable, should_cancel):
+    """Network errors inside as a `DownloadError` in `unreachable`'s words, or as
+    `DownloadCancelled` when Cancel was pressed meanwhile (a stalled read is heard only
+    when it times out: it was said as "no connection")."""
     try:
-        return response.read1(PIECE)
+        yield
     except NETWORK_ERRORS as exc:
+        if should_cancel():
+            raise DownloadCancelled() from exc
         raise DownloadError(unreachable(exc)) from exc
+
+
+def _opened(path: Path, name: str):
+    try:
+        return path.open("wb")
+    except (OSError, ValueError) as exc:
+        raise DownloadError(f"Could not save {name}: {_why(exc)}; nothing was kept.") from exc
 
 
 def _write(out, piece: bytes, name: str, path: Path) -> None:
     try:
         out.write(piece)
     except OSError as exc:  # a full disk, say: not the network's fault
+        # The folder the user knows, not the hidden one the file is put together in.
         raise DownloadError(
-            f"Could not save {name} in {path.parent}: {exc.strerror or exc}; nothing was kept."
+            f"Could not save {name} in {path.parent.parent}: {_why(exc)}; nothing was kept."
         ) from exc
+
+
+def _why(exc: BaseException) -> str:
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
 
 
 def _too_large(incoming: Incoming) -> str:

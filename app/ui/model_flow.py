@@ -98,7 +98,7 @@ class ModelFlow(QObject):
         if not self.window.library_open:
             self.window.status.say(f"Adding the model: {stage}")
 
-    @Slot(int, int, str)
+    @Slot(object, object, str)
     def on_download_progress(self, done: int, total: int, _file: str) -> None:
         if not self.window.library_open:
             said = f"Downloading the model: {done / 1e6:.1f} of {total / 1e6:.1f} MB"
