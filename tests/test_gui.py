@@ -533,6 +533,32 @@ def test_a_chat_gets_its_own_system_prompt_from_the_header(qtbot, open_window):
     assert "(default): “You are helpful.”" in window.header.label.text()
 
 
+def test_after_the_system_prompt_dialog_typing_goes_to_the_message_box(qtbot, open_window):
+    """A new user's walk: after OK, focus went back to the header's button, so the next
+    word was lost and its space opened the dialog again; what followed went into the
+    prompt, in front of the old one (the cursor started at its beginning)."""
+    window = open_window()
+    send(qtbot, window, "Hi", greedy_tokens=4)
+    window.system_prompt_requested.emit(window.conversation_id, "Answer in French.")
+    qtbot.waitUntil(lambda: "(this chat)" in window.header.label.text(), timeout=5_000)
+    said = []
+
+    def go_on_writing(dialog) -> None:
+        said.append(dialog.findChild(QLabel).text())
+        qtbot.keyClicks(dialog.text, " Briefly.")
+        dialog.accept()
+
+    when_a_box_opens(go_on_writing, kind=PromptDialog)
+    qtbot.mouseClick(window.header.edit, Qt.MouseButton.LeftButton)  # as a user does
+    # The window's focus (offscreen, the window may not be active again yet)
+    assert window.focusWidget() is window.composer.edit
+    qtbot.keyClicks(window.focusWidget(), "Where next?")
+    assert window.composer.edit.toPlainText() == "Where next?"
+    chat = lambda: window.store.get(window.conversation_id)  # noqa: E731
+    qtbot.waitUntil(lambda: chat().system_prompt == "Answer in French. Briefly.", timeout=5_000)
+    assert "left empty: the model's own" in said[0]  # the header's words for it
+
+
 def test_a_new_chat_gets_its_own_prompt_and_settings_before_its_first_message(qtbot, open_window):
     """A new user's walk: System prompt… and Chat settings… were greyed out until a first
     message was sent, so a persona could not be set first."""

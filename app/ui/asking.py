@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
@@ -75,10 +75,12 @@ class PromptDialog(QDialog):
     def __init__(self, parent: QWidget | None, current: str, default: str) -> None:
         super().__init__(parent)
         self.setWindowTitle("System prompt")
-        said = f": “{default}”" if default else ""
-        label = QLabel(f"This chat's system prompt (empty: the default from Preferences{said})")
+        # The header's words for an empty prompt: "the model's own", or the default's.
+        empty = f"the default from Preferences: “{default}”" if default else "the model's own"
+        label = QLabel(f"This chat's system prompt (left empty: {empty})")
         label.setWordWrap(True)
         self.text = QPlainTextEdit(current)
+        self.text.moveCursor(QTextCursor.MoveOperation.End)  # it goes on from what is there
         self.text.setTabChangesFocus(True)
         buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel

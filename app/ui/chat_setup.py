@@ -40,6 +40,7 @@ class ChatSetup(QObject):
         chat = self._on_screen()
         own = (chat.system_prompt if chat else None) or ""
         text = asking.system_prompt(w, own, w.preferences().system_prompt)
+        w.composer.edit.setFocus()  # back to typing (`change_chat_settings`)
         if text is not None and (chat is not None or text.strip()):
             self._ask(w.system_prompt_requested, chat, text)
 
@@ -50,6 +51,9 @@ class ChatSetup(QObject):
             return
         chat = self._on_screen()
         chosen = chat_settings(w, chat.overrides if chat else ChatOverrides(), w.preferences())
+        # Back to typing: focus went back to the header's button, so the next word typed
+        # was lost and its space opened the dialog again (a new-user walk).
+        w.composer.edit.setFocus()
         if chosen is not None and (chat is not None or chosen.given()):
             self._ask(w.chat_settings_requested, chat, chosen)
 
