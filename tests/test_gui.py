@@ -252,7 +252,7 @@ def test_clearing_caches_shows_the_space_it_freed(qtbot, open_window):
     qtbot.mouseClick(clear, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: dialog.usage_label.text().startswith("0.0 MB"), timeout=10_000)
     window.refresh_sidebar()
-    assert "reads the chat again when continued" in window.sidebar.list.item(0).text()
+    assert "resumes by rereading" in window.sidebar.list.item(0).text()
     # A chat opened now has nothing to restore: it says so before Send, not after a wait.
     window.sidebar.conversation_selected.emit(other)
     qtbot.waitUntil(lambda: window.status.message.text().startswith("Not restored"), timeout=10_000)
@@ -298,15 +298,16 @@ def test_the_window_cannot_write_the_database(qtbot, open_window):
 
 def test_the_preferences_labels_are_in_a_users_words(qtbot):
     """A new user's walk stopped at "Precision groups", "Full precision until" and "Disk
-    budget"."""
+    budget"; a later one read "Disk space for saved chats" as room for the chats."""
     from PySide6.QtWidgets import QLabel
 
     dialog = PreferencesDialog(Preferences(), 0)
     qtbot.addWidget(dialog)
     labels = {label.text() for label in dialog.findChildren(QLabel)}  # the rows' names too
     assert {"Group size (advanced)", "Full precision for the first (tokens)"} <= labels
-    assert "Disk space for saved chats" in labels
-    assert not labels & {"Precision groups", "Full precision until (tokens)", "Disk budget"}
+    assert "Disk space for reopening chats at once" in labels
+    old = {"Precision groups", "Full precision until (tokens)", "Disk budget"}
+    assert not labels & (old | {"Disk space for saved chats"})
 
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
@@ -578,6 +579,8 @@ def test_a_new_chat_gets_its_own_prompt_and_settings_before_its_first_message(qt
     qtbot.waitUntil(lambda: "(this chat)" in window.header.label.text(), timeout=5_000)
     assert window.store.get(made).system_prompt == "Answer like a pirate."
     assert window.sidebar.list.count() == 1  # the chat is there, as it was made
+    # Said as it is (a walk read "reads the chat again when continued" of an empty chat).
+    assert window.sidebar.list.item(0).text().endswith("· no messages yet")
 
     def cooler(dialog) -> None:
         dialog.boxes["temperature"].setValue(0.2)

@@ -73,7 +73,7 @@ def test_the_two_cache_sizes_say_which_is_which(qtbot, open_window):
     assert "context" not in window.status.stats.text().lower()
     qtbot.waitUntil(lambda: window.meter.label.text().startswith("Context: "), timeout=60_000)
     item = lambda: window.sidebar.list.item(0).text()  # noqa: E731
-    saved = lambda: "resumes at once · " in item() and item().endswith(" MB")  # noqa: E731
+    saved = lambda: "resumes at once · " in item() and item().endswith(" MB on disk")  # noqa: E731
     qtbot.waitUntil(saved, timeout=60_000)
     assert "cache" not in item() and "token" not in item()
 

@@ -208,6 +208,7 @@ def test_a_chat_whose_saved_state_lost_some_files_says_it_resumes_in_part():
     from app.ui.sidebar import describe_cache
 
     whole = {"bytes": 5_500_000, "tokens": 600, "chunks": 3, "chunks_on_disk": 3}
-    assert describe_cache(whole) == "resumes at once · 5.5 MB"
-    assert describe_cache(whole | {"chunks_on_disk": 2}) == "resumes in part · 5.5 MB"
-    assert describe_cache(whole | {"bytes": 0, "chunks_on_disk": 0}).startswith("reads the chat")
+    assert describe_cache(whole) == "resumes at once · 5.5 MB on disk"
+    assert describe_cache(whole | {"chunks_on_disk": 2}) == "resumes in part · 5.5 MB on disk"
+    assert describe_cache(whole | {"bytes": 0, "chunks_on_disk": 0}) == "resumes by rereading"
+    assert describe_cache(None, empty=True) == "no messages yet"

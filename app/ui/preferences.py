@@ -233,7 +233,8 @@ class PreferencesDialog(QDialog):
         row = QHBoxLayout()
         row.addWidget(clear)
         row.addWidget(open_folder)
-        form.addRow("Disk space for saved chats", self.budget)
+        # Not "saved chats": the chats are kept whatever this says (a new user's walk).
+        form.addRow("Disk space for reopening chats at once", self.budget)
         form.addRow("In use", self.usage_label)
         form.addRow(
             "",

@@ -28,7 +28,10 @@ def sidebar_entries(store: ConversationStore, index: CacheIndex, query: str) -> 
     chat, said to be elsewhere: opening it shows the branch the match is on."""
     caches = {c["conversation_id"]: c for c in index.conversations_summary()}
     if not query:
-        return [SidebarEntry(c.id, c.title, caches.get(c.id), c.updated) for c in store.list()]
+        return [
+            SidebarEntry(c.id, c.title, caches.get(c.id), c.updated, empty=not c.current_message_id)
+            for c in store.list()
+        ]
     found: dict[int, SidebarEntry] = {}
     shown: dict[int, set[int]] = {}  # each chat's branch on screen
     for c, message in store.search(query):

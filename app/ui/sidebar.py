@@ -40,6 +40,7 @@ class SidebarEntry:
     snippet: str = ""  # a search's matching text
     elsewhere: bool = False  # the match is on a branch not on screen
     message_id: int | None = None  # the matching message
+    empty: bool = False  # no message yet (made for its settings before its first)
 
 
 def day_label(iso_time: str, today: date | None = None) -> str:
@@ -135,13 +136,17 @@ class ResultDelegate(QStyledItemDelegate):
         return QSize(size.width(), height)
 
 
-def describe_cache(info: dict | None) -> str:
+def describe_cache(info: dict | None, empty: bool = False) -> str:
     """Whether the chat's saved state lets its next reply start at once, in a user's
-    words (a new user's walk: "no cache saved", "598 tokens" meant nothing); the size
-    is its disk's (the status bar says "in memory" for the other size)."""
+    words (a new user's walk: "no cache saved", "598 tokens" meant nothing; a later one:
+    "reads the chat again when continued" meant nothing either, least of all for a chat
+    with no message); the size is its disk's, said so beside the status bar's "chat in
+    memory" (a walk took the two for one number that disagreed)."""
+    if empty:
+        return "no messages yet"
     if not info or not info.get("bytes"):
-        return "reads the chat again when continued"  # its text is kept all the same
-    size = f"{info['bytes'] / 1e6:.1f} MB"  # (these words fit the sidebar at its narrowest)
+        return "resumes by rereading"  # its text is kept all the same
+    size = f"{info['bytes'] / 1e6:.1f} MB on disk"
     if info.get("chunks_on_disk", 0) < info.get("chunks", 0):  # some made room for others
         return f"resumes in part · {size}"
     return f"resumes at once · {size}"
@@ -218,7 +223,7 @@ class Sidebar(QWidget):
             when = day_label(entry.updated)
             lines = [
                 entry.title or "New chat",
-                " · ".join(filter(None, [when, describe_cache(entry.cache)])),
+                " · ".join(filter(None, [when, describe_cache(entry.cache, entry.empty)])),
             ]
             found = entry.snippet + (f" {ELSEWHERE}" if entry.elsewhere else "")
             item = QListWidgetItem("\n".join([*lines, found] if entry.snippet else lines))
