@@ -83,11 +83,13 @@ def test_a_click_on_another_chat_while_replying_is_explained_until_the_reply_end
     window.composer.edit.setPlainText("Write a story about a lighthouse keeper.")
     window.composer.edit.submitted.emit()
     wait_streaming(qtbot, window, chars=5)
+    assert window.models.state.text() == "Writing a reply…"  # a walk: it said "Ready"
     window.sidebar.conversation_selected.emit(first)
     assert window.status.message.text().startswith("A reply is being written here")
     assert window.conversation_id != first  # the reply's chat stays on screen
     wait_reply(qtbot, window)  # it ends by itself
     assert not window.status.message.text().startswith("A reply is being written here")
+    assert window.models.state.text() == "Ready"
 
 
 def test_after_a_click_on_stop_the_message_box_has_the_keyboard(qtbot, open_window):

@@ -364,6 +364,7 @@ class MainWindow(QMainWindow):
             self._turn_asked = False
         self._worker_busy(busy or self._adding)
         self.status.on_busy(busy)
+        self.models.show_replying(busy)
         if not busy:
             self.meter.end_reply()
             self.ask_context()  # the chat changed: count it again

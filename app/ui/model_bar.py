@@ -7,6 +7,7 @@ from PySide6.QtWidgets import QComboBox, QLabel, QProgressBar, QToolBar
 
 LOADING = "Loading model…"
 NO_MODEL = "No model loaded"
+READY, REPLYING = "Ready", "Writing a reply…"
 
 
 class ModelBar(QToolBar):
@@ -29,6 +30,7 @@ class ModelBar(QToolBar):
         # A toolbar shows or hides its widgets through their actions.
         self.loading_action = self.addWidget(self.loading)
         self.ready = False
+        self.replying = False  # a turn is under way (`show_replying`)
         self.awaited: str | None = None  # the model asked for last, until it is in
         self.compute = ""  # how the loaded model runs, once one is
         self.picker.activated.connect(self._on_activated)
@@ -70,11 +72,17 @@ class ModelBar(QToolBar):
         self.awaited = None
         self.ready = True
         self.compute = compute  # "cpu, float32 …" or "gpu, …": which measured figures apply
-        self.state.setText("Ready")
+        self.state.setText(REPLYING if self.replying else READY)
         self.state.setToolTip(f"Running on {compute}")
         self.loading_action.setVisible(False)
         self.picker.setCurrentText(name)
         return True
+
+    def show_replying(self, replying: bool) -> None:
+        """Not "Ready" while a reply is written (a new user's walk)."""
+        self.replying = replying
+        if self.ready:
+            self.state.setText(REPLYING if replying else READY)
 
     def show_failed(self) -> None:
         """The load failed: say so, unless a model loaded before is still there."""
