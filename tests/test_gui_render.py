@@ -145,3 +145,17 @@ def test_the_status_bar_names_the_bits_of_a_mixed_cache():
     assert described.startswith("float32 state") and "8-bit" in described
     assert kv_label_of(described) == "8-bit"
     assert kv_label_of(describe_cache([state])) == "Off (full precision)"
+
+
+def test_what_the_user_typed_is_shown_as_typed(qtbot):
+    """A new user's walk: their **bold** turned bold and the backticks round `code`
+    went. A reply's Markdown is still formatted."""
+    view = ChatView()
+    qtbot.addWidget(view)
+    typed = "Is **this** bold? Run `ls`.\n\n    indented  twice\n<b>tag</b>"
+    view.show_messages(
+        [RenderedMessage(1, "user", typed), RenderedMessage(2, "assistant", "**Yes**")]
+    )
+    text = view.toPlainText().replace("\u2028", "\n")
+    assert typed in text
+    assert "**Yes**" not in text and "Yes" in text

@@ -257,19 +257,28 @@ def _markdown_extent(text: str, env: dict) -> tuple[list, int]:
 
 
 def _plain_html(text: str, colours: ChatColours) -> str:
-    end = _within(text, SHOWN_CHARS, SHOWN_LINES)
     note = "The rest is shown as plain text: too long, too deeply nested or too wide to format."
-    parts = [
-        f'<p style="color:{colours.muted}"><i>{note}</i></p>',
-        f'<pre style="white-space: pre-wrap">{visible_text(text[:end])}</pre>',
-    ]
-    if end < len(text):
-        hidden = len(text) - end
-        parts.append(
-            f'<p style="color:{colours.muted}"><i>{hidden:,} more characters are not shown here; '
-            "Copy gets the whole message.</i></p>"
-        )
-    return "".join(parts)
+    return f'<p style="color:{colours.muted}"><i>{note}</i></p>' + _as_typed(text, "pre", colours)
+
+
+def typed_html(text: str, colours: ChatColours = LIGHT_CHAT) -> str:
+    """What the user typed, as typed: not Markdown (a new user's walk saw their **bold**
+    turn bold and the backticks round `code` go), its lines and spaces kept."""
+    return _as_typed(_normalized(text), "p", colours)
+
+
+def _as_typed(text: str, tag: str, colours: ChatColours) -> str:
+    """`text` escaped, its spaces and line ends kept, as far as a view can hold (a note
+    says how much more there is)."""
+    end = _within(text, SHOWN_CHARS, SHOWN_LINES)
+    shown = f'<{tag} style="white-space: pre-wrap">{visible_text(text[:end])}</{tag}>'
+    if end == len(text):
+        return shown
+    hidden = len(text) - end
+    return shown + (
+        f'<p style="color:{colours.muted}"><i>{hidden:,} more characters are not shown here; '
+        "Copy gets the whole message.</i></p>"
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -337,7 +346,9 @@ def message_html(
             if streaming and not answer and thinking:
                 reasoning, mark = with_mark(reasoning, mark), ""
             parts.append(f'<div style="color:{colours.muted}; margin-left:12px">{reasoning}</div>')
-    if answer:
+    if message.role == "user":
+        parts.append(typed_html(answer, colours))
+    elif answer:
         shown = markdown_html(answer, message.id, token, "answer", colours)
         parts.append(with_mark(shown, mark) if streaming else shown)
     elif streaming and mark:
