@@ -34,7 +34,7 @@ def test_import_list_and_delete_a_model(tmp_path, app_dirs):
     gguf = tiny.write_gguf(tmp_path / "tiny.gguf")
     done = reprise("models", "import-gguf", str(gguf), "--name", "tiny")
     assert done.returncode == 0, done.stderr
-    assert "Building tokenizer" in done.stderr  # progress is shown
+    assert "Building the tokenizer" in done.stderr  # progress is shown
 
     listed = json.loads(reprise("models", "list", "--json").stdout)
     assert [m["name"] for m in listed] == ["tiny"]

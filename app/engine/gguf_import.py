@@ -92,20 +92,20 @@ def import_gguf(
     if target.exists():
         raise GGUFImportError(f"A model named {name!r} already exists in {models_dir}")
 
-    report("Reading GGUF", 0, 4)
+    report("Reading the file", 0, 4)
     layout = check_gguf(gguf_path)
     meta = layout.metadata
     tensors, stored = read_tensors(gguf_path, layout, bits)
     arch = architecture_of(meta, gguf_path.name)
-    report("Building tokenizer", 1, 4)
+    report("Building the tokenizer", 1, 4)
     context = meta_count(meta, f"{arch.gguf_name}.context_length", 4096)
     tokenizer_json, tokenizer_config = _tokenizer_files(meta, context)
-    report("Mapping weights", 2, 4)
+    report("Converting the weights", 2, 4)
     weights = map_weights(arch, tensors)
     config = model_config(arch, meta, weights)
 
     with staged_folder(models_dir, name, "import") as staging:
-        report("Writing model folder", 3, 4)
+        report("Saving the model", 3, 4)
         mx.save_safetensors(str(staging / "model.safetensors"), weights, {"format": "mlx"})
         size = (staging / "model.safetensors").stat().st_size
         config["reprise"] = {

@@ -32,7 +32,7 @@ def test_an_import_in_the_child_reports_progress_and_makes_a_loadable_model(tmp_
     stages: list[tuple[str, int, int]] = []
     imported = import_in_child(gguf, tmp_path / "models", "tiny", lambda *s: stages.append(s))
     assert imported.name == "tiny" and imported.architecture == "llama"
-    assert stages[0][0] == "Reading GGUF" and stages[-1] == ("Done", 4, 4)
+    assert stages[0][0] == "Reading the file" and stages[-1] == ("Done", 4, 4)
     assert load(imported.path).tokenizer.decode([5]) != ""
 
 
@@ -46,18 +46,18 @@ def test_a_refusal_in_the_child_keeps_its_message(tmp_path):
 
 def test_a_crashed_child_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
     gguf = tiny.write_gguf(tmp_path / "tiny.gguf")
-    monkeypatch.setenv(CRASH_AT_STAGE, "Writing model folder")
+    monkeypatch.setenv(CRASH_AT_STAGE, "Saving the model")
     stages: list[str] = []
     with pytest.raises(GGUFImportError, match=r"crashed the importer \(SIGSEGV\)"):
         import_in_child(gguf, tmp_path / "models", "tiny", lambda s, d, t: stages.append(s))
-    assert stages == ["Reading GGUF", "Building tokenizer", "Mapping weights"]
+    assert stages == ["Reading the file", "Building the tokenizer", "Converting the weights"]
     # It died inside its hidden staging folder, which it could not remove; the parent did.
     assert nothing_in(tmp_path / "models")
 
 
 def test_the_cli_says_the_importer_crashed_without_a_traceback(tmp_path, app_dirs):
     gguf = tiny.write_gguf(tmp_path / "tiny.gguf")
-    env = {**os.environ, CRASH_AT_STAGE: "Mapping weights"}
+    env = {**os.environ, CRASH_AT_STAGE: "Converting the weights"}
     done = subprocess.run(
         [REPRISE, "models", "import-gguf", str(gguf), "--name", "tiny"],
         capture_output=True,
@@ -67,7 +67,7 @@ def test_the_cli_says_the_importer_crashed_without_a_traceback(tmp_path, app_dir
         check=False,
     )
     assert done.returncode == 1
-    assert "[1/4] Building tokenizer" in done.stderr  # progress still reached the terminal
+    assert "[1/4] Building the tokenizer" in done.stderr  # progress still reached the terminal
     assert "reprise: Importing tiny.gguf crashed the importer (SIGSEGV)" in done.stderr
     assert "Traceback" not in done.stderr
     assert nothing_in(app_dirs["models"])
@@ -81,7 +81,7 @@ def test_the_window_shows_the_crash_as_a_message_and_lives_on(qtbot, tmp_path, m
         qtbot.addWidget(dialog)
         added: list[tuple[str, str]] = []
         engine.worker.model_added.connect(lambda *answer: added.append(answer))
-        monkeypatch.setenv(CRASH_AT_STAGE, "Building tokenizer")
+        monkeypatch.setenv(CRASH_AT_STAGE, "Building the tokenizer")
         dialog.start_import(str(gguf), "tiny")
         qtbot.waitUntil(lambda: "crashed the importer" in dialog.message.text(), timeout=60_000)
         qtbot.waitUntil(lambda: bool(added))
