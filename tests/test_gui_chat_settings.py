@@ -4,6 +4,7 @@ defaults and which model the chat was made with; the dialog edits them by keyboa
 from __future__ import annotations
 
 from gui_window import READY_MS, send, when_a_box_opens
+from PySide6 import QtGui
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
@@ -78,6 +79,10 @@ def test_the_dialog_is_used_by_keyboard(qtbot):
     dialog = dialog_with(qtbot, ChatOverrides())
     temperature = dialog.boxes["temperature"]
     assert temperature.text() == "Default: 0.7" and "adventurous" in temperature.toolTip()
+    # Rich text, which Qt wraps: a plain tooltip ran off the dialog in one line (a walk).
+    tips = [box.toolTip() for box in dialog.boxes.values()] + [dialog.kv_bits.toolTip()]
+    assert all(QtGui.Qt.mightBeRichText(tip) for tip in tips)
+    assert "“Default”" in temperature.toolTip()  # how to go back to it, in its words
     assert QApplication.focusWidget() is temperature
     temperature.lineEdit().selectAll()
     qtbot.keyClicks(temperature, "0.2")

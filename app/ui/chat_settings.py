@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (
 
 from app.service.preferences import InvalidPreference, Preferences
 from app.ui.preferences import kv_label
-from app.ui.setting_words import FIELDS, KV_TIP
+from app.ui.setting_words import FIELDS, KV_TIP, wrapped
 from sessions.overrides import KV_OFF, ChatOverrides
 
 
@@ -65,7 +65,8 @@ class ChatSettingsDialog(QDialog):
         self.boxes: dict[str, QAbstractSpinBox] = {}
         for name, (label, tip, low, high, step) in FIELDS.items():
             box = self._box(name, low, high, step, getattr(overrides, name))
-            box.setToolTip(tip + " Go below the lowest value for the default.")
+            default = " To follow Preferences again, lower it past its lowest value to “Default”."
+            box.setToolTip(wrapped(tip + default))
             form.addRow(label, box)
             self.boxes[name] = box
         self.kv_bits = QComboBox()
@@ -73,7 +74,7 @@ class ChatSettingsDialog(QDialog):
         for bits in (KV_OFF, 8, 4):
             self.kv_bits.addItem(kv_label(None if bits == KV_OFF else bits), bits)
         self.kv_bits.setCurrentIndex(max(0, self.kv_bits.findData(overrides.kv_bits)))
-        self.kv_bits.setToolTip(KV_TIP)
+        self.kv_bits.setToolTip(wrapped(KV_TIP))
         form.addRow("Memory saving", self.kv_bits)
         self.buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Save

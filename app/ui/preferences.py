@@ -38,7 +38,7 @@ from app.service.preferences import (
     InvalidPreference,
     Preferences,
 )
-from app.ui.setting_words import FIELDS, KV_TIP
+from app.ui.setting_words import FIELDS, KV_TIP, wrapped
 from app.ui.theme import THEME_LABELS, chat_colours
 from sessions import paths
 
@@ -167,7 +167,7 @@ class PreferencesDialog(QDialog):
         for name in FIELDS:
             label, tip = FIELDS[name][:2]
             box = getattr(self, name)
-            box.setToolTip(tip)
+            box.setToolTip(wrapped(tip))
             form.addRow(label, box)
         form.addRow("Default system prompt", self.system_prompt)
         return page
@@ -191,9 +191,9 @@ class PreferencesDialog(QDialog):
         self.kv_warning = QLabel()
         self.kv_warning.setWordWrap(True)
         self.kv_warning.setStyleSheet(f"color: {chat_colours().warning}")
-        self.kv_bits.setToolTip(KV_TIP)
-        self.kv_group_size.setToolTip(GROUP_HELP)
-        self.quantized_kv_start.setToolTip(START_HELP)
+        self.kv_bits.setToolTip(wrapped(KV_TIP))
+        self.kv_group_size.setToolTip(wrapped(GROUP_HELP))
+        self.quantized_kv_start.setToolTip(wrapped(START_HELP))
         form.addRow("Memory saving", self.kv_bits)
         form.addRow("", self.kv_explanation)
         form.addRow("Group size (advanced)", self.kv_group_size)

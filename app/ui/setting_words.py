@@ -3,6 +3,8 @@ each, for Preferences and for a chat's own settings alike."""
 
 from __future__ import annotations
 
+import html
+
 # field: (label, tooltip, lowest, highest, step); max_tokens is the one whole number.
 FIELDS = {
     "temperature": (
@@ -51,3 +53,9 @@ KV_TIP = (
     "in quality. A cache saved in one setting that another cannot use is computed again "
     "once; nothing is lost."
 )
+
+
+def wrapped(tip: str) -> str:
+    """A tooltip that wraps: Qt wraps one of rich text, while a plain one ran off the
+    dialog in one line (a new user's walk)."""
+    return f"<p>{html.escape(tip)}</p>"
