@@ -130,12 +130,12 @@ def test_a_chat_sent_to_stays_on_screen_before_its_reply_starts(qtbot, open_wind
 
 def test_a_deleted_chats_draft_goes_with_it(qtbot, open_window):
     window = open_window()
-    _, second = two_chats(qtbot, window)
+    first, second = two_chats(qtbot, window)
     qtbot.keyClicks(window.composer.edit, "never sent")
     when_a_box_opens(lambda box: box.button(QMessageBox.StandardButton.Yes).click())
     window.delete(second)
-    qtbot.waitUntil(lambda: window.conversation_id is None, timeout=10_000)
-    assert window.composer.edit.toPlainText() == ""
+    qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)  # listed next
+    assert window.composer.edit.toPlainText() == ""  # the first chat's draft: none
     assert window.drafts.drafts.get(second) == ""
     window.close()
     assert open_window().composer.edit.toPlainText() == ""  # the first chat's: none

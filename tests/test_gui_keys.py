@@ -243,6 +243,23 @@ def test_enter_in_the_delete_box_keeps_the_chat_and_deleting_the_open_one_clears
     assert window.chat.messages == [] and window.sidebar.list.count() == 0
 
 
+def test_deleting_the_open_chat_shows_the_one_listed_next_to_it(qtbot, open_window):
+    """Two new-user walks expected the chat below (or above) to take its place, as in
+    other chat apps, not an empty new chat."""
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=4)
+    older = window.conversation_id
+    window.new_chat()
+    send(qtbot, window, "Say goodbye.", greedy_tokens=4)
+    newer = window.conversation_id  # listed first, the older one below it
+    yes = lambda box: box.button(box.StandardButton.Yes).click()  # noqa: E731
+    answer_the_box(qtbot, yes, "Delete")
+    window.delete(newer)
+    qtbot.waitUntil(lambda: window.conversation_id == older, timeout=10_000)
+    assert window.chat.messages[0].content == "Say hello."
+    assert window.sidebar.list.currentItem().data(Qt.ItemDataRole.UserRole) == older
+
+
 def test_f1_opens_the_keyboard_shortcuts(qtbot, open_window):
     window = active(qtbot, open_window())
     titles = []

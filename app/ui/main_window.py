@@ -87,6 +87,7 @@ class MainWindow(QMainWindow):
         self._turn_asked = False  # a turn was asked for, until it ends
         self._adding = False  # the worker is adding a model
         self.closing = False  # Quit: waiting for the worker to stop
+        self._shown_after_delete: int | None = None  # the chat on screen once it is deleted
         self.library_open = False  # the Models dialog is up (menus.open_models)
 
         self.sidebar = Sidebar()
@@ -403,12 +404,14 @@ class MainWindow(QMainWindow):
 
     @Slot(int)
     def on_changed(self, conversation_id: int) -> None:
-        """The worker changed something: read it again. The chat on screen deleted: an
-        empty new chat takes its place (the old view, left up, sent to a chat that was
-        gone)."""
+        """The worker changed something: read it again. The chat on screen deleted: the one
+        listed next to it takes its place, or an empty new chat (the old view, left up,
+        sent to a chat that was gone)."""
         on_screen = conversation_id in (0, self.conversation_id)
         if self.conversation_id is not None and not self._exists(self.conversation_id):
-            self.conversation_id, on_screen = None, True
+            after, self._shown_after_delete = self._shown_after_delete, None
+            self.conversation_id = after if after and self._exists(after) else None
+            on_screen = True
         if on_screen and not self.generating:
             self.show_conversation(self.conversation_id)
         self.refresh_sidebar()
@@ -457,6 +460,8 @@ class MainWindow(QMainWindow):
     def delete(self, conversation_id: int) -> None:
         if asking.confirm_delete(self, self.store.get(conversation_id).title):
             self.drafts.drop(conversation_id)
+            if conversation_id == self.conversation_id:
+                self._shown_after_delete = self.sidebar.neighbour(conversation_id)
             self.delete_requested.emit(conversation_id)
 
     @Slot(int, str)

@@ -254,6 +254,17 @@ class Sidebar(QWidget):
                 self.list.setCurrentRow(row)
         self.list.blockSignals(False)
 
+    def neighbour(self, conversation_id: int) -> int | None:
+        """The chat listed after this one, or else before it: the one to show once it is
+        deleted (a chat app's habit; two new-user walks expected it)."""
+        ids = [
+            self.list.item(row).data(Qt.ItemDataRole.UserRole) for row in range(self.list.count())
+        ]
+        if conversation_id not in ids or len(ids) < 2:
+            return None
+        row = ids.index(conversation_id)
+        return ids[row + 1] if row + 1 < len(ids) else ids[row - 1]
+
     def _selected(self) -> None:
         items = self.list.selectedItems()
         if not items:
