@@ -7,6 +7,7 @@ from gui_window import (
     READY_MS,
     prefer,
     send,
+    start_long_reply,
     wait_reply,
     wait_streaming,
     when_a_box_opens,
@@ -258,6 +259,19 @@ def test_deleting_the_open_chat_shows_the_one_listed_next_to_it(qtbot, open_wind
     qtbot.waitUntil(lambda: window.conversation_id == older, timeout=10_000)
     assert window.chat.messages[0].content == "Say hello."
     assert window.sidebar.list.currentItem().data(Qt.ItemDataRole.UserRole) == older
+
+
+def test_a_chat_shortcut_during_a_reply_says_why_it_waits(qtbot, open_window):
+    """A new user's walk: Ctrl+R while a reply was written did nothing, and said nothing."""
+    window = active(qtbot, open_window())
+    start_long_reply(qtbot, window)
+    for key, modifiers in ((Qt.Key.Key_R, CTRL), (Qt.Key.Key_F2, Qt.KeyboardModifier.NoModifier)):
+        window.status.say("")
+        qtbot.keyClick(window.composer.edit, key, modifiers)
+        assert window.status.message.text() == "A reply is being written: stop it (Esc) first"
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
+    qtbot.waitUntil(lambda: not window.generating, timeout=READY_MS)
+    assert window.status.message.text() != "A reply is being written: stop it (Esc) first"
 
 
 def test_f1_opens_the_keyboard_shortcuts(qtbot, open_window):

@@ -53,7 +53,8 @@ def confirm_delete(parent: QWidget, title: str) -> bool:
     answer = QMessageBox.question(
         parent,
         "Delete",
-        f"Delete “{title or 'this chat'}” and its cache? This cannot be undone.",
+        f"Delete “{title or 'this chat'}”? Its messages and what was saved to reopen it "
+        "are deleted. This cannot be undone.",
         buttons,
         QMessageBox.StandardButton.No,
     )

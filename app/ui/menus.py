@@ -36,6 +36,14 @@ def _keys(keys: Keys) -> QKeySequence:
 # Ctrl+R, F2 and Ctrl+Shift+D on a new chat and saw nothing happen.
 NO_CHAT_YET = "This chat has no messages yet: send one first"
 NO_REPLY_YET = "There is no reply to regenerate yet"
+# ... and Ctrl+R during a reply (a later walk): said, not ignored.
+BUSY_REPLYING = "A reply is being written: stop it (Esc) first"
+BUSY_ADDING = "A model is being added: this waits until it is in"
+
+
+def say_busy(window: MainWindow) -> None:
+    """Why a chat action does nothing now: the turn or the model's add under way."""
+    window.status.say_while_busy(BUSY_REPLYING if window.replying else BUSY_ADDING)
 
 
 def copy_last_reply(window: MainWindow) -> None:
@@ -59,6 +67,7 @@ def step_chat(window: MainWindow, step: int) -> None:
 def regenerate_last(window: MainWindow) -> None:
     last = window.chat.messages[-1] if window.chat.messages else None
     if window.generating:
+        say_busy(window)
         return
     if last is not None and last.role == "assistant":
         window.turns.on_chat_action("regenerate", 0)
@@ -88,6 +97,7 @@ def focus_search(window: MainWindow) -> None:
 def on_this_chat(window: MainWindow, action: Callable[[int], None]) -> None:
     """What the sidebar's right-click menu does, for the chat on screen."""
     if window.generating:
+        say_busy(window)
         return
     if window.conversation_id is None:
         window.status.say(NO_CHAT_YET)
