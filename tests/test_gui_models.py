@@ -89,6 +89,8 @@ def test_import_gguf_through_the_dialog(qtbot, dialog, tmp_path):
     dialog.start_import(str(gguf), "imported-tiny")
     qtbot.waitUntil(lambda: dialog.message.text() == "Added imported-tiny", timeout=60_000)
     assert names() == ["imported-tiny"]
+    row = dialog.table.topLevelItem(0)
+    assert row.text(3) == "Imported GGUF" and row.text(1).endswith(" MB")  # in words
 
 
 def test_a_failed_import_says_why_in_the_dialog(qtbot, dialog, tmp_path):
@@ -234,8 +236,8 @@ def test_found_models_are_imported_or_used_in_place_then_chatted_with(
     linked = dialog.table.topLevelItem(installed["tiny-4bit"])
     header = [dialog.table.headerItem().text(c) for c in range(dialog.table.columnCount())]
     assert header == ["Name", "Size", "Context", "Source", "Architecture"]
-    assert linked.text(3) == "in place" and linked.text(2).endswith(" tokens")
-    assert linked.text(1).endswith(" GB") and linked.toolTip(1).startswith("Weights: ")
+    assert linked.text(3) == "Used in place" and linked.text(2).endswith(" tokens")
+    assert linked.text(1).endswith(" MB") and linked.toolTip(1).startswith("Weights: ")
     qtbot.waitUntil(lambda: not dialog.found.button(0).isEnabled(), timeout=30_000)
     assert dialog.found.button(0).text() == "Installed"
 

@@ -27,6 +27,17 @@ from app.ui.first_run import suggested_name
 from app.ui.found_list import FoundList
 from sessions import paths
 
+# Where a model came from, in words (a new user's walk read "gguf" and "mlx" as jargon).
+SOURCES = {"gguf": "Imported GGUF", "mlx": "MLX folder", "in place": "Used in place"}
+
+
+def size_text(size: int) -> str:
+    """MB below a gigabyte, as first start says the starter's size (it said 0.10 GB here
+    and 98 MB there)."""
+    if size >= 1e9:
+        return f"{size / 1e9:.2f} GB"
+    return f"{size / 1e6:.1f} MB" if size < 1e7 else f"{size / 1e6:.0f} MB"
+
 
 class ModelsDialog(QDialog):
     import_requested = Signal(str, str)  # path, name
@@ -96,8 +107,10 @@ class ModelsDialog(QDialog):
         for m in models.list_models(paths.models_dir()):
             shown = f"{m.name} (in use)" if m.name == self.in_use else m.name
             context = f"{m.context_length:,} tokens" if m.context_length else "unknown"
-            size = f"{m.size_bytes / 1e9:.2f} GB"
-            item = QTreeWidgetItem([shown, size, context, m.source, m.architecture])
+            source = SOURCES.get(m.source, m.source)
+            item = QTreeWidgetItem(
+                [shown, size_text(m.size_bytes), context, source, m.architecture]
+            )
             item.setData(0, Qt.ItemDataRole.UserRole, m.name)
             for column in range(item.columnCount()):
                 item.setToolTip(column, f"Weights: {m.weights}")
