@@ -91,6 +91,9 @@ def test_import_gguf_through_the_dialog(qtbot, dialog, tmp_path):
     assert names() == ["imported-tiny"]
     row = dialog.table.topLevelItem(0)
     assert row.text(3) == "Imported GGUF" and row.text(1).endswith(" MB")  # in words
+    # Room for the focus ring round the text (it cut the letters' tops off: a walk).
+    height = dialog.table.visualItemRect(row).height()
+    assert height >= dialog.table.fontMetrics().height() + 4, height
 
 
 def test_a_failed_import_says_why_in_the_dialog(qtbot, dialog, tmp_path):

@@ -55,6 +55,9 @@ class ModelsDialog(QDialog):
         # (a new user's walk stopped at "Q4_1 as 4-bit (exact)" in a column of its own).
         self.table.setHeaderLabels(["Name", "Size", "Context", "Source", "Architecture"])
         self.table.setRootIsDecorated(False)
+        # Room round each row's text for the focus ring, which cut the top of the letters
+        # off (a new user's walk).
+        self.table.setStyleSheet("QTreeWidget::item { padding: 3px 0px; }")
         self.found = FoundList()
         self.progress = QProgressBar()
         self.progress.hide()
