@@ -30,6 +30,9 @@ class Misbehaviour:
     missing: bool = False  # listed, but a 404 when asked for
     listed: object = ...  # the size the listing gives (...: the file's own)
     redirect_to: str | None = None  # another hub's endpoint, where the file is sent on to
+    redirect_body: int = 0  # bytes the redirect's own answer carries
+    no_length: bool = False  # no Content-Length: the body ends when the line closes
+    linger_s: float = 0.0  # after the last byte, the wait before the line closes
 
 
 @dataclass
@@ -44,10 +47,15 @@ class FakeHub:
         seconds_per_block: float = 0.0,
         misbehaviour: dict[str, Misbehaviour] | None = None,
         host: str = "127.0.0.1",
+        sha: object = SHA,
+        more_listed: list[dict] | None = None,
     ) -> None:
+        """`sha`, `more_listed`: the listing's revision, and entries it adds as they are
+        (hostile shapes)."""
         self.repos = repos
         self.seconds_per_block = seconds_per_block
         self.misbehaviour = misbehaviour or {}
+        self.sha, self.more_listed = sha, more_listed or []
         self.sent = Sent()
         self.closing = threading.Event()
         self.stalled = threading.Event()  # a file's bytes have stopped (`stall_after`)
@@ -98,7 +106,8 @@ class FakeHub:
             for f in sorted(folder.iterdir())
             if f.is_file()
         ]
-        body = json.dumps({"id": repo, "modelId": repo, "sha": SHA, "siblings": siblings})
+        siblings += self.more_listed
+        body = json.dumps({"id": repo, "modelId": repo, "sha": self.sha, "siblings": siblings})
         handler.send_response(200)
         handler.send_header("Content-Type", "application/json")
         handler.end_headers()
@@ -120,13 +129,14 @@ class FakeHub:
             handler.send_error(404)
             return
         if wrong.redirect_to:
-            handler.send_response(302)
-            handler.send_header("Location", f"{wrong.redirect_to}{handler.path}")
-            handler.end_headers()
+            self.redirect(handler, f"{wrong.redirect_to}{handler.path}", wrong.redirect_body)
             return
         data = path.read_bytes() + bytes(wrong.extra)
         handler.send_response(200)
-        handler.send_header("Content-Length", str(len(data)))
+        if wrong.no_length:
+            handler.close_connection = True
+        else:
+            handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
         self.sent.counts[name] = 0
         for start in range(0, len(data), 1 << 16):
@@ -145,3 +155,21 @@ class FakeHub:
             except (BrokenPipeError, ConnectionResetError):
                 return
             self.sent.counts[name] += len(data[start : start + (1 << 16)])
+        if wrong.linger_s:
+            handler.wfile.flush()
+            time.sleep(wrong.linger_s / 2)  # the bytes sent are read by now
+            self.stalled.set()
+            time.sleep(wrong.linger_s / 2)
+
+    def redirect(self, handler: BaseHTTPRequestHandler, location: str, body: int) -> None:
+        handler.send_response(302)
+        handler.send_header("Location", location)
+        handler.send_header("Content-Length", str(body))
+        handler.end_headers()
+        self.sent.counts["redirect"] = 0
+        for _ in range(body >> 16):
+            try:
+                handler.wfile.write(bytes(1 << 16))
+            except (BrokenPipeError, ConnectionResetError):
+                return
+            self.sent.counts["redirect"] += 1 << 16

@@ -90,7 +90,9 @@ def test_a_line_that_fails_mid_file_is_said_in_words(hub_repo, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize(
-    "size", [float("nan"), -(64 << 20), "300", True], ids=["NaN", "negative", "text", "true"]
+    "size",
+    [float("nan"), -(64 << 20), "300", True, 10**400],
+    ids=["NaN", "negative", "text", "true", "10**400"],
 )
 def test_a_listing_with_sizes_that_are_not_counts_is_refused_before_the_first_byte(
     hub_repo, tmp_path, size
@@ -128,16 +130,20 @@ def test_progress_never_passes_its_total_when_sizes_are_missing(hub_repo, tmp_pa
     assert seen[-1][0] == sum(f.stat().st_size for f in (tmp_path / "models" / "tiny").iterdir())
 
 
-def test_the_hub_token_goes_to_no_other_host_on_a_redirect(hub_repo, tmp_path, monkeypatch):
-    """A review: urllib copied `Authorization: Bearer hf_…` onto a redirect to another
-    host; the hub sends its files on to a CDN's."""
+@pytest.mark.parametrize("host", ["127.0.0.2", "127.0.0.1"], ids=["host", "port"])
+def test_the_hub_token_goes_to_no_other_server_on_a_redirect(hub_repo, tmp_path, monkeypatch, host):
+    """Reviews: urllib copied `Authorization: Bearer hf_…` onto a redirect to another
+    host (the hub sends its files on to a CDN's), then the fix kept it for another port
+    of the same host. The redirect's own body, here 256 MiB, is not read (urllib read
+    it whole into memory, deaf to Cancel)."""
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_0123456789")
-    with FakeHub({"someone/tiny": hub_repo}, host="127.0.0.2") as elsewhere:
-        sent_on = Misbehaviour(redirect_to=elsewhere.endpoint)
-        path = fetch(hub_repo, tmp_path, **{WEIGHTS: sent_on})
-    assert path.requests and all(a and a.startswith("Bearer hf_") for a in path.authorizations)
+    with FakeHub({"someone/tiny": hub_repo}, host=host) as elsewhere:
+        sent_on = Misbehaviour(redirect_to=elsewhere.endpoint, redirect_body=256 << 20)
+        hub = fetch(hub_repo, tmp_path, **{WEIGHTS: sent_on})
+    assert hub.requests and all(a and a.startswith("Bearer hf_") for a in hub.authorizations)
     assert elsewhere.requests and elsewhere.authorizations == [None]
     assert (tmp_path / "models" / "tiny" / WEIGHTS).is_file()
+    assert hub.sent.counts["redirect"] < 32 << 20
 
 
 def test_cancel_during_a_stalled_line_is_said_as_cancelled(hub_repo, tmp_path, monkeypatch):
@@ -154,3 +160,54 @@ def test_cancel_during_a_stalled_line_is_said_as_cancelled(hub_repo, tmp_path, m
             should_cancel=hub.stalled.is_set,
         )
     assert nothing_kept(tmp_path)
+
+
+def test_cancel_while_the_last_file_s_end_is_awaited_keeps_nothing(hub_repo, tmp_path):
+    """A review: the last read, waiting on a slow close, ended the loop without a look
+    at Cancel, and the model was put in place although Cancel had been pressed."""
+    last = "tokenizer_config.json"  # the listing's last file
+    misbehaviour = {last: Misbehaviour(unlisted=True, no_length=True, linger_s=1.0)}
+    hub = FakeHub({"someone/tiny": hub_repo}, misbehaviour=misbehaviour)
+    with hub, pytest.raises(download.DownloadCancelled):
+        download_model(
+            "someone/tiny",
+            tmp_path / "models",
+            endpoint=hub.endpoint,
+            should_cancel=hub.stalled.is_set,
+        )
+    assert nothing_kept(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "odd",
+    ["\ud800.safetensors", "a\nb.safetensors", "\u202etxt.safetensors", "", ".safetensors"],
+    ids=["lone surrogate", "line end", "bidi override", "empty", "hidden"],
+)
+def test_a_listed_name_no_file_should_have_is_left_out(hub_repo, tmp_path, odd):
+    """A review: a lone surrogate passed, then failed the file's address as "a bug"."""
+    more = [{"rfilename": odd, "size": 10}]
+    with FakeHub({"someone/tiny": hub_repo}, more_listed=more) as hub:
+        path = download_model("someone/tiny", tmp_path / "models", endpoint=hub.endpoint)
+    assert WEIGHTS in [f.name for f in path.iterdir()] and len(list(path.iterdir())) == 4
+
+
+@pytest.mark.parametrize("sha", [123, ["a"], "not-hex", "\ud800" * 40])
+def test_a_revision_of_the_wrong_shape_is_refused_in_words(hub_repo, tmp_path, sha):
+    hub = FakeHub({"someone/tiny": hub_repo}, sha=sha)
+    with hub, pytest.raises(DownloadError, match="could not be read"):
+        download_model("someone/tiny", tmp_path / "models", endpoint=hub.endpoint)
+    assert nothing_kept(tmp_path)
+
+
+def test_a_link_to_a_folder_gone_by_the_model_s_name_is_refused_before_downloading(
+    hub_repo, tmp_path
+):
+    """A review: a model used in place whose folder went leaves a dangling link; a
+    download by its name went through to the end, then failed its rename as "a bug"."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny").symlink_to(tmp_path / "gone")
+    hub = FakeHub({"someone/tiny": hub_repo})
+    with hub, pytest.raises(DownloadError, match="A model named 'tiny' already exists"):
+        download_model("someone/tiny", models, endpoint=hub.endpoint)
+    assert not [r for r in hub.requests if "/resolve/" in r]

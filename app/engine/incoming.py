@@ -63,14 +63,19 @@ class _NoAuthElsewhere(urllib.request.HTTPRedirectHandler):
     hub sends its files' downloads to a CDN's host."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
+        # urllib reads a redirect's whole body into memory before following it, with no
+        # cap and deaf to Cancel (a review sent 400 MiB): it is dropped unread.
+        fp.close()
         request = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if request is not None and _host(newurl) != _host(req.full_url):
+        if request is not None and _origin(newurl) != _origin(req.full_url):
             request.remove_header("Authorization")
         return request
 
 
-def _host(url: str) -> str | None:
-    return urllib.parse.urlsplit(url).hostname
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    """Scheme, host and port: another port of the same host is another server."""
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.hostname, parts.port
 
 
 _OPENER = urllib.request.build_opener(_NoAuthElsewhere)
@@ -87,8 +92,8 @@ def save(
     MiB and at the end. Refused in words: past its cap, short of what the server said
     (in its listing, or else in its Content-Length), a lost line (`unreachable(exc)` says
     it; Cancel pressed meanwhile is said as such), a disk that will not take it."""
-    request = urllib.request.Request(incoming.url, headers=incoming.headers)
-    with _lost_as(unreachable, should_cancel):
+    with _lost_as(unreachable, should_cancel):  # an address that is none is a ValueError
+        request = urllib.request.Request(incoming.url, headers=incoming.headers)
         response = _OPENER.open(request, timeout=READ_TIMEOUT_S)
     with response:
         said = incoming.said or response.length or 0  # a file with no size listed
@@ -121,6 +126,8 @@ def _copy(response, out, incoming: Incoming, unreachable, on_bytes, should_cance
             _write(out, piece, incoming.name, Path(out.name))
             if (written - len(piece)) // BLOCK != written // BLOCK:
                 on_bytes(written)
+    if should_cancel():  # pressed while the end was awaited (a slow close, trailers)
+        raise DownloadCancelled()
     on_bytes(written)
     return written
 

