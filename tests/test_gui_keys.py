@@ -283,6 +283,34 @@ def test_f1_opens_the_keyboard_shortcuts(qtbot, open_window):
     assert "F1\tThis list" in shortcut_list(window)
 
 
+def test_letters_typed_in_the_chat_list_go_to_the_message_box(qtbot, open_window):
+    """A new user's walk: after opening a search result with Enter, the keyboard stayed
+    in the list, and what was typed next went nowhere."""
+    window = active(qtbot, open_window())
+    send(qtbot, window, "Say hello.", greedy_tokens=4)
+    window.sidebar.list.setFocus()
+    qtbot.waitUntil(window.sidebar.list.hasFocus, timeout=5_000)
+    qtbot.keyClicks(window.sidebar.list, "Q")
+    assert window.composer.edit.hasFocus()
+    qtbot.keyClicks(QApplication.focusWidget(), "uite")
+    assert window.composer.edit.toPlainText() == "Quite"
+
+
+def test_after_a_click_on_send_typing_goes_to_the_message_box(qtbot, open_window):
+    """A new user's walk: Send clicked left the keyboard on the button, Stop once the
+    reply began; the next space stopped the reply and the words typed were lost."""
+    window = active(qtbot, open_window())
+    prefer(window, temperature=0.0, max_tokens=2000)
+    window.composer.edit.setPlainText("Write a long story about a lighthouse keeper.")
+    qtbot.mouseClick(window.composer.button, Qt.MouseButton.LeftButton)
+    wait_streaming(qtbot, window)
+    qtbot.keyClicks(QApplication.focusWidget(), "hello world")
+    assert window.composer.edit.toPlainText() == "hello world"
+    assert window.generating  # not stopped by the space
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
+    qtbot.waitUntil(lambda: not window.generating, timeout=READY_MS)
+
+
 def test_letters_typed_in_the_conversation_go_to_the_message_box(qtbot, open_window):
     """Found on a new-user walk: after a click on Regenerate the keyboard stayed in the
     conversation, and what was typed next went nowhere."""

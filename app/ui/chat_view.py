@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 import time
 
-from PySide6.QtCore import QRect, Qt, QTimer, QUrl, Signal, Slot
+from PySide6.QtCore import QRect, QTimer, QUrl, Signal, Slot
 from PySide6.QtGui import (
     QColor,
     QCursor,
@@ -25,7 +25,7 @@ from PySide6.QtGui import (
     QTextCursor,
     QTextDocument,
 )
-from PySide6.QtWidgets import QApplication, QTextBrowser, QToolTip, QWidget
+from PySide6.QtWidgets import QTextBrowser, QToolTip, QWidget
 
 from app.ui.render import (
     LIGHT_CHAT,
@@ -40,6 +40,7 @@ from app.ui.render import (
     reasoning_and_answer,
 )
 from app.ui.theme import draw_ring
+from app.ui.typing_to import pass_letters
 
 # Re-render a streaming reply at most this often: smooth, and cheap for the event loop.
 _STREAM_REFRESH_MS = 60
@@ -187,21 +188,9 @@ class ChatView(QTextBrowser):
             self.verticalScrollBar().setValue(maximum)
 
     def keyPressEvent(self, event: QKeyEvent) -> None:
-        """Letters typed while the conversation has the keyboard (after a click on one of
-        its links, say) go into the message box, which takes the keyboard: they were
-        lost (a new-user walk). Tab, Enter, Space and the shortcuts stay the view's."""
-        typing = (  # the modifiers of plain typing; AltGr types @, { or € on many keyboards
-            Qt.KeyboardModifier.ShiftModifier
-            | Qt.KeyboardModifier.KeypadModifier
-            | Qt.KeyboardModifier.GroupSwitchModifier
-        )
-        text = event.text()
-        letters = text.isprintable() and bool(text.strip())
-        if self.type_into is not None and letters and not event.modifiers() & ~typing:
-            self.type_into.setFocus()
-            QApplication.sendEvent(self.type_into, event)
-            return
-        super().keyPressEvent(event)
+        """Letters typed here go into the message box (`typing_to`)."""
+        if not pass_letters(event, self.type_into):
+            super().keyPressEvent(event)
 
     def showEvent(self, event: QShowEvent) -> None:
         """Qt scrolls to the text cursor (the conversation's start) when the view is first

@@ -99,6 +99,9 @@ class Composer(QWidget):
             self.stop_requested.emit()
         else:
             self.send()
+        # Back to typing: left on the button (Stop once the reply began), the next
+        # space typed stopped the reply and the words were lost (a new-user walk).
+        self.edit.setFocus()
 
     def send(self) -> None:
         text = self.edit.toPlainText().strip()

@@ -94,7 +94,7 @@ class MainWindow(QMainWindow):
         self.header = ChatHeader()
         self.chat = ChatView()
         self.composer = Composer()
-        self.chat.type_into = self.composer.edit
+        self.chat.type_into = self.sidebar.list.type_into = self.composer.edit
         self.drafts = DraftKeeper(self.composer, self)
         self.meter = ContextMeter()
         # Count the draft once typing pauses, not at every key.

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from datetime import date, datetime
 
 from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QSize, Qt, Signal
-from PySide6.QtGui import QAbstractTextDocumentLayout, QPainter, QPalette, QTextDocument
+from PySide6.QtGui import (
+    QAbstractTextDocumentLayout,
+    QKeyEvent,
+    QPainter,
+    QPalette,
+    QTextDocument,
+)
 from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
@@ -23,6 +29,8 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+
+from app.ui.typing_to import pass_letters
 
 SNIPPET_CHARS = 60
 ELSEWHERE = "(on another branch)"
@@ -152,6 +160,19 @@ def describe_cache(info: dict | None, empty: bool = False) -> str:
     return f"resumes at once · {size}"
 
 
+class ChatList(QListWidget):
+    """The chats. Letters typed here go into the message box (`typing_to`), not to the
+    list's jump-to-a-title search."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.type_into: QWidget | None = None
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        if not pass_letters(event, self.type_into):
+            super().keyPressEvent(event)
+
+
 class Sidebar(QWidget):
     conversation_selected = Signal(int)
     clicked = Signal()  # a chat chosen with the mouse (the keyboard stays in the list)
@@ -168,7 +189,7 @@ class Sidebar(QWidget):
         self.search = QLineEdit()
         self.search.setPlaceholderText("Search messages")
         self.search.setClearButtonEnabled(True)
-        self.list = QListWidget()
+        self.list = ChatList()
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         # A long title ends in "…" (the full one is its tooltip), not a sideways scrollbar.
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
