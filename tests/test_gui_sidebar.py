@@ -205,10 +205,11 @@ def test_a_search_that_finds_nothing_says_so(qtbot, open_window):
 
 def test_a_chat_whose_saved_state_lost_some_files_says_it_resumes_in_part():
     """Review: "resumes at once" was said of a chat whose files were partly evicted."""
-    from app.ui.sidebar import describe_cache
+    from app.ui.sidebar import describe_cache, saved_size
 
     whole = {"bytes": 5_500_000, "tokens": 600, "chunks": 3, "chunks_on_disk": 3}
-    assert describe_cache(whole) == "resumes at once · 5.5 MB on disk"
-    assert describe_cache(whole | {"chunks_on_disk": 2}) == "resumes in part · 5.5 MB on disk"
+    assert describe_cache(whole) == "resumes at once"
+    assert saved_size(whole) == "Saved to resume it: 5.5 MB on disk"
+    assert describe_cache(whole | {"chunks_on_disk": 2}) == "resumes in part"
     assert describe_cache(whole | {"bytes": 0, "chunks_on_disk": 0}) == "resumes by rereading"
     assert describe_cache(None, empty=True) == "no messages yet"

@@ -148,16 +148,23 @@ def describe_cache(info: dict | None, empty: bool = False) -> str:
     """Whether the chat's saved state lets its next reply start at once, in a user's
     words (a new user's walk: "no cache saved", "598 tokens" meant nothing; a later one:
     "reads the chat again when continued" meant nothing either, least of all for a chat
-    with no message); the size is its disk's, said so beside the status bar's "chat in
-    memory" (a walk took the two for one number that disagreed)."""
+    with no message). Its size is the tooltip's (`saved_size`): on the line it was cut
+    off, even at the window's usual width."""
     if empty:
         return "no messages yet"
     if not info or not info.get("bytes"):
         return "resumes by rereading"  # its text is kept all the same
-    size = f"{info['bytes'] / 1e6:.1f} MB on disk"
     if info.get("chunks_on_disk", 0) < info.get("chunks", 0):  # some made room for others
-        return f"resumes in part · {size}"
-    return f"resumes at once · {size}"
+        return "resumes in part"
+    return "resumes at once"
+
+
+def saved_size(info: dict | None) -> str:
+    """The disk space the chat's saved state takes, said as such beside the status bar's
+    "chat in memory" (a walk took the two for one number that disagreed)."""
+    if not info or not info.get("bytes"):
+        return ""
+    return f"Saved to resume it: {info['bytes'] / 1e6:.1f} MB on disk"
 
 
 class ChatList(QListWidget):
@@ -254,7 +261,7 @@ class Sidebar(QWidget):
             item.setData(Qt.ItemDataRole.UserRole, conversation_id)
             if entry.elsewhere:
                 item.setData(ELSEWHERE_ROLE, entry.message_id)
-            item.setToolTip(entry.title)
+            item.setToolTip("\n".join(filter(None, [entry.title, saved_size(entry.cache)])))
             self.list.addItem(item)
             # A match on a hidden branch of the chat on screen is not what is shown:
             # left unselected, choosing it switches to its branch.
