@@ -213,3 +213,15 @@ def test_a_chat_whose_saved_state_lost_some_files_says_it_resumes_in_part():
     assert describe_cache(whole | {"chunks_on_disk": 2}) == "resumes in part"
     assert describe_cache(whole | {"bytes": 0, "chunks_on_disk": 0}) == "resumes by rereading"
     assert describe_cache(None, empty=True) == "no messages yet"
+
+
+def test_a_new_chat_s_row_shows_its_message_while_the_reply_is_written(qtbot, open_window):
+    """A new user's walk: "New chat · Today · no messages yet" until the reply ended."""
+    from gui_window import READY_MS, start_long_reply
+
+    window = open_window()
+    start_long_reply(qtbot, window)
+    row = window.sidebar.list.item(0).text()
+    assert row.startswith("Write a long story") and "no messages yet" not in row
+    window.composer.stop_requested.emit()
+    qtbot.waitUntil(lambda: not window.generating, timeout=READY_MS)

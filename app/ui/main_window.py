@@ -386,6 +386,9 @@ class MainWindow(QMainWindow):
     def on_restored(self, info: RestoreInfo) -> None:
         first_turn = len(self.chat.messages) <= 2  # the question and the coming reply
         self.status.on_restored(info, first_turn)
+        # The message is stored by now: a new chat's row says so while the reply is
+        # written (a walk saw "New chat · no messages yet" until the reply ended).
+        self.refresh_sidebar()
 
     @Slot(object)
     def on_finished(self, reply: ReplyFinished) -> None:
