@@ -44,7 +44,7 @@ def test_a_turn_that_reads_most_of_the_chat_again_does_not_say_continuing(qtbot,
     send(qtbot, window, "And the sun?", greedy_tokens=4)
     text = window.status.message.text()
     # Said as the reply began, in the past (the walk saw "Reading…" while it streamed).
-    assert text.startswith("Read the conversation again: it changed near the start"), text
+    assert text.startswith("Read the conversation again from where it changed"), text
     reused, _, total = text.split("(kept ")[1].split(" tokens")[0].partition(" of ")
     assert int(reused.replace(",", "")) * 2 < int(total.replace(",", ""))
     # A long new message reads more than the chat held, but the chat is not read again.
@@ -103,7 +103,7 @@ def test_the_status_bar_says_where_a_reply_started_in_words():
     assert restore_text("memory", 71, 0.0, 80, 71) == "Continuing the chat: reading your message"
     assert restore_text("memory", 71, 0.0, 80, 71, read=True) == ""
     assert restore_text("memory", 6, 0.0, 595, 590, read=True) == (
-        "Read the conversation again: it changed near the start (kept 6 of 595 tokens)"
+        "Read the conversation again from where it changed (kept 6 of 595 tokens)"
     )
     assert restore_text("disk", 4096, 0.05, read=True) == (
         "Resumed from saved cache: 4,096 tokens in 50 ms"

@@ -54,10 +54,11 @@ def restore_text(
     if source == "disk":
         return f"Resumed from saved cache: {tokens:,} tokens in {took(seconds)}"
     if source == "memory" and prompt_tokens > 2 * tokens and tokens < held_tokens:
+        # Not "near the start": a branch chosen at the second message is not (a walk).
         kept = f"kept {tokens:,} of {prompt_tokens:,} tokens"
         if read:
-            return f"Read the conversation again: it changed near the start ({kept})"
-        return f"Reading the conversation again: it changed near the start ({kept})"
+            return f"Read the conversation again from where it changed ({kept})"
+        return f"Reading the conversation again from where it changed ({kept})"
     if source == "memory":
         return "" if read else "Continuing the chat: reading your message"
     return (
@@ -65,6 +66,15 @@ def restore_text(
         if read
         else "Reading the conversation from the start"
     )
+
+
+def not_restored_text(why: str) -> str:
+    """A selected chat whose saved state cannot be used: its next reply will take a
+    while, in the sidebar's words ("resumes by rereading"); the engine's reason, unless
+    it is only that nothing was saved (a walk read "no saved cache" as jargon)."""
+    if why == "no saved cache":
+        return "Nothing saved to resume this chat: its next reply rereads it"
+    return f"Can't resume this chat at once ({why}): its next reply rereads it"
 
 
 def stats_text(reply: ReplyFinished) -> str:
@@ -252,8 +262,7 @@ class TurnStatus(QObject):
         if info.source == "disk":
             self.message.setText(f"Ready: {info.tokens:,} tokens restored in {took(info.seconds)}")
         elif info.rejected and has_messages:  # a wait is coming: say so now, not after Send
-            said = f"Not restored ({info.rejected}): the next reply reads the chat again"
-            self.message.setText(said)
+            self.message.setText(not_restored_text(info.rejected))
 
     def on_finished(self, reply: ReplyFinished) -> None:
         self.progress.hide()
