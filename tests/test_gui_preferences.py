@@ -137,6 +137,7 @@ def test_the_kv_choices_show_the_trade_offs_measured_for_this_device(qtbot, libr
     assert "perplexity" not in line.lower()  # a word a new user stopped at
     assert "Replies come" in line
     assert ("H200" in line) == (device == "gpu") and "4-grams" not in line
+    assert "x86" not in line and "CPU path" not in line  # jargon a new user stopped at
     assert dialog.kv_group_size.isEnabled() and dialog.kv_bits.toolTip()
     assert all(getattr(dialog, name).toolTip() for name in FIELDS)  # every setting explained
     dialog.kv_bits.setCurrentIndex(0)

@@ -47,7 +47,7 @@ from sessions import paths
 KV_FIGURES = {"gpu": resource("kv-bench.json"), "cpu": resource("kv-bench-cpu.json")}
 _MEASURED_ON = {
     "gpu": "on an NVIDIA H200 GPU (not measured on Apple silicon)",
-    "cpu": "on the CPU path, 2 x86 cores",
+    "cpu": "on a 2-core PC processor",  # not "the CPU path, 2 x86 cores" (a new user's walk)
 }
 GROUP_HELP = (
     "How many numbers share one scale when they are stored in fewer bits: smaller groups "
