@@ -60,6 +60,7 @@ def test_export_names_are_safe_file_names():
     )
     assert export_name("../../etc/passwd") == "etc passwd"
     assert export_name("?\n\t") == "chat"
+    assert export_name("List three fruits.") == "List three fruits"  # not "fruits..md"
     assert len(export_name("word " * 100)) <= 80
 
 

@@ -192,6 +192,9 @@ def test_a_search_that_finds_nothing_says_so(qtbot, open_window):
     qtbot.waitUntil(lambda: window.sidebar.list.count() == 0, timeout=10_000)
     assert window.sidebar.no_matches.isVisible()
     assert window.sidebar.no_matches.text() == "No message mentions “zebras”."
+    window.sidebar.search.setText("Tell me a joke.")  # one full stop, not two (a walk)
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 0, timeout=10_000)
+    assert window.sidebar.no_matches.text() == "No message mentions “Tell me a joke.”"
     window.sidebar.search.setText("penguins")
     qtbot.waitUntil(lambda: window.sidebar.list.count() == 1, timeout=10_000)
     assert not window.sidebar.no_matches.isVisible()

@@ -16,8 +16,9 @@ _NOT_IN_FILE_NAMES = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]+')
 
 def export_name(title: str) -> str:
     """A file name made from a chat's title: no path separators, no characters Windows or
-    macOS refuse, no leading dot (a hidden file), at most 80 characters."""
-    name = " ".join(_NOT_IN_FILE_NAMES.sub(" ", title).split()).lstrip(". ")[:80].strip()
+    macOS refuse, no leading or trailing dot (a hidden file; "fruits..md", a walk saw),
+    at most 80 characters."""
+    name = " ".join(_NOT_IN_FILE_NAMES.sub(" ", title).split())[:80].strip(". ")
     return name or "chat"
 
 

@@ -269,7 +269,8 @@ class Sidebar(QWidget):
                 self.list.setCurrentItem(item)
         self.list.blockSignals(False)
         query = self.search.text().strip()
-        self.no_matches.setText(f"No message mentions “{query}”." if query else "")
+        stop = "" if query.endswith((".", "!", "?")) else "."  # not "“a joke.”." (a walk)
+        self.no_matches.setText(f"No message mentions “{query}”{stop}" if query else "")
         self.no_matches.setVisible(bool(query) and not entries)
 
     def select(self, conversation_id: int | None) -> None:
