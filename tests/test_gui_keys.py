@@ -274,6 +274,26 @@ def test_a_chat_shortcut_during_a_reply_says_why_it_waits(qtbot, open_window):
     assert window.status.message.text() != "A reply is being written: stop it (Esc) first"
 
 
+def test_the_shortcut_rows_have_room_for_the_focus_ring(qtbot, open_window):
+    """A new user's walk: the focus ring cut the tops of the letters off."""
+    from app.ui.menus import shortcuts_dialog
+
+    dialog = shortcuts_dialog(open_window())
+    qtbot.addWidget(dialog)
+    table = dialog.findChild(QTableWidget)
+    assert table.rowHeight(0) >= table.fontMetrics().height() + 6, table.rowHeight(0)
+
+
+
+def test_no_two_actions_share_a_shortcut(qtbot, open_window):
+    """Where the platform had no standard Quit key, Quit got Preferences' Ctrl+, too, and
+    a shortcut on two actions runs neither."""
+    from app.ui.menus import shortcut_rows
+
+    keys = [keys for keys, _ in shortcut_rows(open_window())]
+    assert len(keys) == len(set(keys)), keys
+
+
 def test_f1_opens_the_keyboard_shortcuts(qtbot, open_window):
     window = active(qtbot, open_window())
     titles = []

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 from app import __version__
 from app.ui.preferences import PreferencesDialog
 from app.ui.render import split_thinking
+from app.ui.theme import RoomForTheRing
 
 if TYPE_CHECKING:
     from app.ui.main_window import MainWindow
@@ -27,9 +28,20 @@ if TYPE_CHECKING:
 Keys = QKeySequence | QKeySequence.StandardKey | str
 
 
+# A platform without these standard keys (Linux has no Preferences key; a bare one, such
+# as Qt's offscreen, no Quit either) gets these. One fallback for both gave Quit Ctrl+,
+# too: two actions on one shortcut, and neither ran.
+_NO_STANDARD = {
+    QKeySequence.StandardKey.Preferences: "Ctrl+,",
+    QKeySequence.StandardKey.Quit: "Ctrl+Q",
+}
+
+
 def _keys(keys: Keys) -> QKeySequence:
     sequence = QKeySequence(keys)
-    return sequence if not sequence.isEmpty() else QKeySequence("Ctrl+,")  # no standard one
+    if sequence.isEmpty() and isinstance(keys, QKeySequence.StandardKey):
+        return QKeySequence(_NO_STANDARD.get(keys, ""))
+    return sequence
 
 
 # A shortcut with nothing to act on says so in the status bar: a new user's walk pressed
@@ -196,6 +208,7 @@ def shortcuts_dialog(window: MainWindow) -> QDialog:
     table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
     table.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
     table.setWordWrap(False)
+    table.setItemDelegate(RoomForTheRing(table))
     for row, (keys, does) in enumerate(rows):
         table.setItem(row, 0, QTableWidgetItem(keys))
         table.setItem(row, 1, QTableWidgetItem(does))

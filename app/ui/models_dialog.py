@@ -25,6 +25,7 @@ from app.engine.found import gguf_file_problem, imported_as
 from app.ui import asking
 from app.ui.first_run import suggested_name
 from app.ui.found_list import FoundList
+from app.ui.theme import RoomForTheRing
 from sessions import paths
 
 # Where a model came from, in words (a new user's walk read "gguf" and "mlx" as jargon).
@@ -55,9 +56,7 @@ class ModelsDialog(QDialog):
         # (a new user's walk stopped at "Q4_1 as 4-bit (exact)" in a column of its own).
         self.table.setHeaderLabels(["Name", "Size", "Context", "Source", "Architecture"])
         self.table.setRootIsDecorated(False)
-        # Room round each row's text for the focus ring, which cut the top of the letters
-        # off (a new user's walk).
-        self.table.setStyleSheet("QTreeWidget::item { padding: 3px 0px; }")
+        self.table.setItemDelegate(RoomForTheRing(self.table))
         self.found = FoundList()
         self.progress = QProgressBar()
         self.progress.hide()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from PySide6.QtCore import QObject, QRect, Qt, Signal, Slot
+from PySide6.QtCore import QObject, QRect, QSize, Qt, Signal, Slot
 from PySide6.QtGui import (
     QColor,
     QGuiApplication,
@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QApplication,
     QProxyStyle,
     QStyle,
+    QStyledItemDelegate,
     QStyleFactory,
     QStyleOption,
     QWidget,
@@ -188,6 +189,16 @@ class FocusStyle(QProxyStyle):
         framed = element == QStyle.PrimitiveElement.PE_Frame
         if framed and isinstance(widget, QAbstractScrollArea) and widget.hasFocus():
             draw_ring(painter, option.rect, self.ring, base)
+
+
+class RoomForTheRing(QStyledItemDelegate):
+    """Rows of a table or tree tall enough for the focus ring above and below their text
+    (it cut the tops of the letters off in Models and Keyboard shortcuts: a new user's
+    walk). The sidebar's rows have their own delegate, with the same room."""
+
+    def sizeHint(self, option, index) -> QSize:
+        size = super().sizeHint(option, index)
+        return QSize(size.width(), size.height() + 2 * (FOCUS_RING + 1))
 
 
 def theme_for(choice: str, scheme: Qt.ColorScheme | None = None) -> Theme:
