@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import STARTER_NAME
 from gui_window import READY_MS, boxes_said, prefer, wait_reply, when_a_box_opens
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QMessageBox
 
 from app.ui.main_window import MainWindow
@@ -309,3 +309,28 @@ def test_a_message_sent_later_to_a_model_that_failed_gets_its_box(
     qtbot.waitUntil(lambda: len(warned) == 2, timeout=READY_MS)
     assert warned[1] == warned[0] and window.composer.edit.toPlainText() == "Hello?"
     window.close()
+
+
+def test_first_start_offers_the_starter_over_the_window_which_then_loads_it(
+    qtbot, starter_gguf, monkeypatch
+):
+    """A new user's walk: the welcome dialog sat alone on an empty screen, the window
+    coming only after the import. Now the window is there behind it, and loads the
+    model the dialog added."""
+    from app.ui import first_run
+
+    monkeypatch.setenv("REPRISE_STARTER_GGUF", str(starter_gguf))
+    assert first_run.needs_first_run()
+    window = MainWindow()
+    qtbot.addWidget(window)
+    window.show()
+    seen = []
+
+    def import_it(dialog) -> None:
+        seen.append((window.isVisible(), dialog.parent() is window))
+        QTimer.singleShot(100, dialog.import_starter)
+
+    assert first_run.welcome(window, import_it) == STARTER_NAME
+    assert seen == [(True, True)]
+    qtbot.waitUntil(lambda: window.models.ready, timeout=READY_MS)
+    assert window.models.current() == STARTER_NAME

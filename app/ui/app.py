@@ -63,11 +63,11 @@ def run() -> int:
     from app.ui.main_window import MainWindow
 
     smoke_folder = Path(os.environ["REPRISE_SMOKE"]) if os.environ.get("REPRISE_SMOKE") else None
-    if first_run.needs_first_run():
-        driver = smoke.drive_first_run(smoke_folder) if smoke_folder else None
-        first_run.offer_starter_model(on_shown=driver)
+    empty = first_run.needs_first_run()
     window = MainWindow()
     if smoke_folder:
         smoke.WindowDriver(window, smoke_folder)
     window.show()
+    if empty:
+        first_run.welcome(window, smoke.drive_first_run(smoke_folder) if smoke_folder else None)
     return app.exec()

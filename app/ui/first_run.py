@@ -1,14 +1,16 @@
 """First start with an empty model library: offer to import the starter model
 (a GGUF file; the app ships without weights) or any GGUF file, with a progress
-bar. It runs before the main window exists, on a worker of its own that is shut
-down before the window starts its worker, so there is still one writer at a time
-(an import writes only the models folder)."""
+bar. It runs over the main window (a new user's walk saw it alone on an empty screen),
+on a worker of its own, shut down when the dialog closes: the window's worker has
+nothing to do while the library is empty, and an import writes only the models folder,
+so there is still one writer at a time."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Signal, Slot
 from PySide6.QtWidgets import (
@@ -24,6 +26,9 @@ from PySide6.QtWidgets import (
 from app.engine.models import STARTER_MODEL, list_models
 from app.worker import WorkerThread
 from sessions import paths
+
+if TYPE_CHECKING:
+    from app.ui.main_window import MainWindow
 
 STARTER_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -186,6 +191,16 @@ class FirstRunDialog(QDialog):
 
 def needs_first_run() -> bool:
     return not list_models(paths.models_dir())
+
+
+def welcome(window: MainWindow, on_shown: Callable[[FirstRunDialog], None] | None = None) -> str:
+    """The first start over `window`, already on screen: the offer, then the window
+    lists and loads what was added (or says how to add a model); the model's name, or
+    "" when the user declined."""
+    added = offer_starter_model(window, on_shown)
+    window.model_flow.refresh()
+    window.model_flow.load_chosen()
+    return added
 
 
 def offer_starter_model(
