@@ -129,7 +129,12 @@ def test_esc_leaves_an_edit_and_gives_the_draft_back(qtbot, open_window):
     send(qtbot, window, "Name a colour.", greedy_tokens=4)
     window.composer.edit.setPlainText("half a thought")
     window.turns.on_chat_action("edit", window.chat.messages[0].id)
+    # The message being edited is marked in the chat (a new user's walk could not tell).
+    marked = "Being edited in the message box below"
+    assert window.chat.toPlainText().count(marked) == 1
+    assert window.chat.toPlainText().index(marked) < window.chat.toPlainText().index("Name a")
     qtbot.keyClick(window.composer.edit, Qt.Key.Key_Escape)
+    assert marked not in window.chat.toPlainText()
     assert window.composer.edit.toPlainText() == "half a thought"
     qtbot.keyClicks(window.composer.edit, ", finished")  # the cursor waits at its end
     assert window.composer.edit.toPlainText() == "half a thought, finished"

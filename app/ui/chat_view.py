@@ -65,6 +65,7 @@ class ChatView(QTextBrowser):
         # The app's links carry this; a message cannot know it, so cannot forge them.
         self._token = secrets.token_hex(16)
         self._thinking_open: set[int] = set()
+        self.editing: int | None = None  # the message the box holds for an edit
         self._refresh = QTimer(self, singleShot=True, interval=_STREAM_REFRESH_MS)
         self._refresh.timeout.connect(self.redraw_last)
         self._tail_start: int | None = None  # where the last message begins in the document
@@ -91,6 +92,13 @@ class ChatView(QTextBrowser):
         position = bar.value()
         self.render()
         bar.setValue(position)
+
+    @Slot(object)
+    def mark_editing(self, message_id: int | None) -> None:
+        """Mark the message the message box holds for an edit (None: no edit)."""
+        if message_id != self.editing:
+            self.editing = message_id
+            self._render_in_place()
 
     def set_empty_text(self, text: str) -> None:
         """What an empty chat says (render.START, or how to add a model first)."""
@@ -137,6 +145,7 @@ class ChatView(QTextBrowser):
         apart, so a streaming reply redraws only itself (`redraw_last`)."""
         for m in self.messages:
             m.show_thinking = m.id in self._thinking_open
+            m.being_edited = m.id == self.editing
         if not self.messages:
             self._tail_start = None
             self.setHtml(conversation_html([], self._token, self.colours, self.empty_text))
@@ -162,6 +171,7 @@ class ChatView(QTextBrowser):
         position = bar.value()
         last = self.messages[-1]
         last.show_thinking = last.id in self._thinking_open
+        last.being_edited = last.id == self.editing
         cursor = QTextCursor(self.document())
         cursor.beginEditBlock()
         cursor.setPosition(self._tail_start)

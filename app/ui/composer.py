@@ -26,6 +26,7 @@ class Composer(QWidget):
     edit_requested = Signal(int, str)  # a sent message, and its new text
     stop_requested = Signal()
     send_held = Signal()  # Enter while a reply is written or a model added: the text waits
+    editing_changed = Signal(object)  # the message being edited, or None once not
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,6 +71,7 @@ class Composer(QWidget):
         if self.editing is None:
             self._draft = self.edit.toPlainText()
         self.editing, self._original = message_id, text
+        self.editing_changed.emit(message_id)
         self.edit.setPlainText(text)
         self.edit.moveCursor(QTextCursor.MoveOperation.End)
         self.edit.setFocus()
@@ -79,6 +81,7 @@ class Composer(QWidget):
         if self.editing is None:
             return
         self.editing = None
+        self.editing_changed.emit(None)
         self.edit.setPlainText(self._draft)
         self.edit.moveCursor(QTextCursor.MoveOperation.End)  # typing goes on after it
         self.banner.hide()

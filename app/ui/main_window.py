@@ -211,6 +211,7 @@ class MainWindow(QMainWindow):
             lambda: self.status.say_while_busy(HELD if self.replying else HELD_BY_ADD)
         )
         self.composer.edit_requested.connect(self.turns.edit_sent)
+        self.composer.editing_changed.connect(self.chat.mark_editing)
         # Direct, not queued: the worker thread is busy generating; this only sets a flag.
         self.composer.stop_requested.connect(worker.stop, Qt.ConnectionType.DirectConnection)
         self.chat.action.connect(self.turns.on_chat_action)

@@ -81,6 +81,7 @@ class RenderedMessage:
     show_thinking: bool = False
     is_last: bool = False
     cut: bool = False  # the reply reached the length limit before it was done
+    being_edited: bool = False  # in the message box now (an edit under way)
 
     @property
     def can_continue(self) -> bool:
@@ -336,6 +337,11 @@ def message_html(
     streaming = message.state == "streaming"
     mark = f'<span style="color:{colours.muted}">▍</span>'  # where the reply goes on
     parts = []
+    if message.being_edited:  # which message the box below holds (a new user's walk)
+        parts.append(
+            f'<p style="color:{colours.warning}"><i>Being edited in the message box below '
+            "(Esc leaves it as it is)</i></p>"
+        )
     if thinking is not None:
         # Reasoning with no answer yet (still thinking, or stopped there) is shown open.
         show = message.show_thinking or not answer
