@@ -15,6 +15,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QApplication,
     QLabel,
+    QMessageBox,
 )
 
 from app.ui.asking import PromptDialog
@@ -169,3 +170,52 @@ def test_a_chat_opened_while_a_new_one_is_made_stays_on_screen(qtbot, open_windo
     send(qtbot, window, "And a vegetable?", greedy_tokens=4)
     assert window.conversation_id == fruit
     assert window.store.get(fruit).messages[2].content == "And a vegetable?"
+
+
+def test_a_prompt_chosen_for_a_chat_deleted_meanwhile_goes_to_no_other_chat(
+    qtbot, open_window, monkeypatch
+):
+    """A review: the chat deleted while its System prompt dialog was up made way for its
+    neighbour, and the neighbour got the prompt."""
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=4)
+    kept = window.conversation_id
+    window.new_chat()
+    send(qtbot, window, "Say goodbye.", greedy_tokens=4)
+    going = window.conversation_id
+    held = busy_worker(window, monkeypatch)  # the delete waits behind it
+    when_a_box_opens(lambda box: box.button(QMessageBox.StandardButton.Yes).click())
+    window.delete(going)
+    assert window.conversation_id == kept  # the neighbour at once, not after the worker
+    window.show_conversation(going)  # still listed: opened again, and its dialog
+
+    def while_it_goes(dialog) -> None:
+        held.set()
+        qtbot.waitUntil(lambda: window.conversation_id != going, timeout=10_000)
+        dialog.text.setPlainText("You are a pirate.")
+        dialog.accept()
+
+    when_a_box_opens(while_it_goes, kind=PromptDialog)
+    window.header.edit.click()
+    assert window.status.message.text() == "That chat was deleted meanwhile: nothing was changed"
+    assert window.store.get(kept).system_prompt is None
+
+
+def test_a_message_sent_to_a_chat_as_it_is_deleted_is_not_lost(qtbot, open_window, monkeypatch):
+    """A review: the window went on showing the chat being deleted; a message sent to it
+    failed, and the window switched to the neighbour without showing it, losing the text
+    and the neighbour's draft."""
+    window = open_window()
+    send(qtbot, window, "Say hello.", greedy_tokens=4)
+    kept = window.conversation_id
+    window.new_chat()
+    send(qtbot, window, "Say goodbye.", greedy_tokens=4)
+    going = window.conversation_id
+    held = busy_worker(window, monkeypatch)
+    when_a_box_opens(lambda box: box.button(QMessageBox.StandardButton.Yes).click())
+    window.delete(going)
+    qtbot.keyClicks(window.composer.edit, "typed after")
+    assert window.conversation_id == kept and window.chat.messages[0].content == "Say hello."
+    held.set()
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 1, timeout=10_000)
+    assert window.composer.edit.toPlainText() == "typed after"

@@ -240,8 +240,8 @@ def test_enter_in_the_delete_box_keeps_the_chat_and_deleting_the_open_one_clears
     answer_the_box(qtbot, yes, "Delete")
     window.delete(chat)
     # The chat on screen is gone: an empty new chat takes its place, not the old view.
-    qtbot.waitUntil(lambda: window.conversation_id is None, timeout=10_000)
-    assert window.chat.messages == [] and window.sidebar.list.count() == 0
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 0, timeout=10_000)
+    assert window.conversation_id is None and window.chat.messages == []
 
 
 def test_deleting_the_open_chat_shows_the_one_listed_next_to_it(qtbot, open_window):

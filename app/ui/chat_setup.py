@@ -41,6 +41,8 @@ class ChatSetup(QObject):
         own = (chat.system_prompt if chat else None) or ""
         text = asking.system_prompt(w, own, w.preferences().system_prompt)
         w.composer.edit.setFocus()  # back to typing (`change_chat_settings`)
+        if self._moved_on(chat):
+            return
         if text is not None and (chat is not None or text.strip()):
             self._ask(w.system_prompt_requested, chat, text)
 
@@ -54,6 +56,8 @@ class ChatSetup(QObject):
         # Back to typing: focus went back to the header's button, so the next word typed
         # was lost and its space opened the dialog again (a new-user walk).
         w.composer.edit.setFocus()
+        if self._moved_on(chat):
+            return
         if chosen is not None and (chat is not None or chosen.given()):
             self._ask(w.chat_settings_requested, chat, chosen)
 
@@ -61,6 +65,16 @@ class ChatSetup(QObject):
         """No change while a reply is written, nor to a new chat with no model to make it."""
         w = self.window
         return not w.generating and (w.conversation_id is not None or w.models.ready)
+
+    def _moved_on(self, chat: Conversation | None) -> bool:
+        """Whether the window shows another chat than the dialog was opened for (a
+        review: a chat deleted while the dialog was up made way for its neighbour, which
+        got the prompt): the change is then dropped, and said so."""
+        w = self.window
+        if w.conversation_id == (chat.id if chat else None):
+            return False
+        w.status.say("That chat was deleted meanwhile: nothing was changed")
+        return True
 
     def _on_screen(self) -> Conversation | None:
         w = self.window

@@ -259,6 +259,7 @@ class MainWindow(QMainWindow):
         self.setup.left()
         self.drafts.swap(conversation_id)
         self.conversation_id = conversation_id
+        self._shown_after_delete = None
         self.chat.show_messages(rendered_messages(self.store, conversation_id))
         self._show_header()
         self.status.say("")
@@ -369,6 +370,8 @@ class MainWindow(QMainWindow):
         self.models.show_replying(busy)
         if not busy:
             self.meter.end_reply()
+            if self.conversation_id is not None and not self._exists(self.conversation_id):
+                self._leave_deleted_chat()  # deleted while the turn ran
             self.ask_context()  # the chat changed: count it again
 
     @Slot(bool)
@@ -408,17 +411,26 @@ class MainWindow(QMainWindow):
 
     @Slot(int)
     def on_changed(self, conversation_id: int) -> None:
-        """The worker changed something: read it again. The chat on screen deleted: the one
-        listed next to it takes its place, or an empty new chat (the old view, left up,
-        sent to a chat that was gone)."""
+        """The worker changed something: read it again. The chat on screen deleted (during
+        its reply, or by another program): `_leave_deleted_chat`, once no turn is under
+        way (the old view, left up, sent to a chat that was gone)."""
         on_screen = conversation_id in (0, self.conversation_id)
-        if self.conversation_id is not None and not self._exists(self.conversation_id):
-            after, self._shown_after_delete = self._shown_after_delete, None
-            self.conversation_id = after if after and self._exists(after) else None
-            on_screen = True
-        if on_screen and not self.generating:
+        gone = self.conversation_id is not None and not self._exists(self.conversation_id)
+        if gone and not self.generating:
+            self._leave_deleted_chat()
+        elif on_screen and not self.generating:
             self.show_conversation(self.conversation_id)
         self.refresh_sidebar()
+
+    def _leave_deleted_chat(self) -> None:
+        """The chat listed next to it, as its delete asked, or else a new chat; what the
+        box held comes along where that chat has no draft of its own (a turn sent to the
+        chat as it went failed, and gave its text back there)."""
+        after, self._shown_after_delete = self._shown_after_delete, None
+        typed = self.composer.draft()
+        self.show_conversation(after if after and self._exists(after) else None)
+        if typed and not self.composer.draft():
+            self.composer.show_draft(typed)
 
     def _exists(self, conversation_id: int) -> bool:
         return any(c.id == conversation_id for c in self.store.list())
@@ -462,11 +474,20 @@ class MainWindow(QMainWindow):
 
     @Slot(int)
     def delete(self, conversation_id: int) -> None:
-        if asking.confirm_delete(self, self.store.get(conversation_id).title):
-            self.drafts.drop(conversation_id)
-            if conversation_id == self.conversation_id:
-                self._shown_after_delete = self.sidebar.neighbour(conversation_id)
-            self.delete_requested.emit(conversation_id)
+        """The chat on screen, deleted, makes way at once for the one listed next to it
+        (a review: left on screen until the worker got to the delete, it took a message
+        or a system prompt meant for the chat that was going); during its own reply, once
+        the reply ends."""
+        if not asking.confirm_delete(self, self.store.get(conversation_id).title):
+            return
+        if conversation_id == self.conversation_id:
+            after = self.sidebar.neighbour(conversation_id)
+            if self.replying:
+                self._shown_after_delete = after
+            else:
+                self.show_conversation(after)
+        self.drafts.drop(conversation_id)
+        self.delete_requested.emit(conversation_id)
 
     @Slot(int, str)
     def export(self, conversation_id: int, fmt: str) -> None:

@@ -50,7 +50,7 @@ NO_CHAT_YET = "This chat has no messages yet: send one first"
 NO_REPLY_YET = "There is no reply to regenerate yet"
 # ... and Ctrl+R during a reply (a later walk): said, not ignored.
 BUSY_REPLYING = "A reply is being written: stop it (Esc) first"
-BUSY_ADDING = "A model is being added: this waits until it is in"
+BUSY_ADDING = "A model is being added: try again once it is in"  # not queued: not "waits"
 
 
 def say_busy(window: MainWindow) -> None:
