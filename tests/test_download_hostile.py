@@ -150,24 +150,20 @@ def test_cancel_during_a_stalled_line_is_said_as_cancelled(hub_repo, tmp_path, m
     """A review: Cancel pressed while the hub sent nothing was said, once the read timed
     out, as "no connection … check this computer's internet connection"."""
     monkeypatch.setattr(incoming, "READ_TIMEOUT_S", 0.5)
-    misbehaviour = {WEIGHTS: Misbehaviour(stall_after=0)}
-    hub = FakeHub({"someone/tiny": hub_repo}, misbehaviour=misbehaviour)
-    with hub, pytest.raises(download.DownloadCancelled):
-        download_model(
-            "someone/tiny",
-            tmp_path / "models",
-            endpoint=hub.endpoint,
-            should_cancel=hub.stalled.is_set,
-        )
-    assert nothing_kept(tmp_path)
+    cancelled_when_it_stalls(hub_repo, tmp_path, WEIGHTS, Misbehaviour(stall_after=0))
 
 
 def test_cancel_while_the_last_file_s_end_is_awaited_keeps_nothing(hub_repo, tmp_path):
     """A review: the last read, waiting on a slow close, ended the loop without a look
     at Cancel, and the model was put in place although Cancel had been pressed."""
     last = "tokenizer_config.json"  # the listing's last file
-    misbehaviour = {last: Misbehaviour(unlisted=True, no_length=True, linger_s=1.0)}
-    hub = FakeHub({"someone/tiny": hub_repo}, misbehaviour=misbehaviour)
+    slow_close = Misbehaviour(unlisted=True, no_length=True, linger_s=1.0)
+    cancelled_when_it_stalls(hub_repo, tmp_path, last, slow_close)
+
+
+def cancelled_when_it_stalls(hub_repo, tmp_path, name: str, bad: Misbehaviour) -> None:
+    """Cancel pressed once the hub stops sending `name`: cancelled, nothing kept."""
+    hub = FakeHub({"someone/tiny": hub_repo}, misbehaviour={name: bad})
     with hub, pytest.raises(download.DownloadCancelled):
         download_model(
             "someone/tiny",

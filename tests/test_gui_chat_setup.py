@@ -178,14 +178,7 @@ def test_a_prompt_chosen_for_a_chat_deleted_meanwhile_goes_to_no_other_chat(
     """A review: the chat deleted while its System prompt dialog was up made way for its
     neighbour, and the neighbour got the prompt."""
     window = open_window()
-    send(qtbot, window, "Say hello.", greedy_tokens=4)
-    kept = window.conversation_id
-    window.new_chat()
-    send(qtbot, window, "Say goodbye.", greedy_tokens=4)
-    going = window.conversation_id
-    held = busy_worker(window, monkeypatch)  # the delete waits behind it
-    when_a_box_opens(lambda box: box.button(QMessageBox.StandardButton.Yes).click())
-    window.delete(going)
+    kept, going, held = deleted_behind_a_busy_worker(qtbot, window, monkeypatch)
     assert window.conversation_id == kept  # the neighbour at once, not after the worker
     window.show_conversation(going)  # still listed: opened again, and its dialog
 
@@ -206,6 +199,17 @@ def test_a_message_sent_to_a_chat_as_it_is_deleted_is_not_lost(qtbot, open_windo
     failed, and the window switched to the neighbour without showing it, losing the text
     and the neighbour's draft."""
     window = open_window()
+    kept, _, held = deleted_behind_a_busy_worker(qtbot, window, monkeypatch)
+    qtbot.keyClicks(window.composer.edit, "typed after")
+    assert window.conversation_id == kept and window.chat.messages[0].content == "Say hello."
+    held.set()
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 1, timeout=10_000)
+    assert window.composer.edit.toPlainText() == "typed after"
+
+
+def deleted_behind_a_busy_worker(qtbot, window, monkeypatch):
+    """Two chats; the open one deleted (Yes) while the worker is busy, so the delete
+    waits: (the chat kept, the one going, the event that frees the worker)."""
     send(qtbot, window, "Say hello.", greedy_tokens=4)
     kept = window.conversation_id
     window.new_chat()
@@ -214,8 +218,4 @@ def test_a_message_sent_to_a_chat_as_it_is_deleted_is_not_lost(qtbot, open_windo
     held = busy_worker(window, monkeypatch)
     when_a_box_opens(lambda box: box.button(QMessageBox.StandardButton.Yes).click())
     window.delete(going)
-    qtbot.keyClicks(window.composer.edit, "typed after")
-    assert window.conversation_id == kept and window.chat.messages[0].content == "Say hello."
-    held.set()
-    qtbot.waitUntil(lambda: window.sidebar.list.count() == 1, timeout=10_000)
-    assert window.composer.edit.toPlainText() == "typed after"
+    return kept, going, held
