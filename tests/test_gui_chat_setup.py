@@ -217,5 +217,5 @@ def deleted_behind_a_busy_worker(qtbot, window, monkeypatch):
     going = window.conversation_id
     held = busy_worker(window, monkeypatch)
     when_a_box_opens(lambda box: box.button(QMessageBox.StandardButton.Yes).click())
-    window.delete(going)
+    window.actions.delete(going)
     return kept, going, held

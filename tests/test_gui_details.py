@@ -115,7 +115,7 @@ def test_an_export_says_where_it_went(qtbot, open_window, tmp_path, monkeypatch)
     )
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=4)
-    window.export(window.conversation_id, "markdown")  # what Ctrl+E does
+    window.actions.export(window.conversation_id, "markdown")  # what Ctrl+E does
     qtbot.waitUntil(lambda: target.is_file(), timeout=10_000)
     qtbot.waitUntil(lambda: window.status.message.text() == f"Exported to {target}", timeout=10_000)
     assert "Say hello." in target.read_text()

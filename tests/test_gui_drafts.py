@@ -133,7 +133,7 @@ def test_a_deleted_chats_draft_goes_with_it(qtbot, open_window):
     first, second = two_chats(qtbot, window)
     qtbot.keyClicks(window.composer.edit, "never sent")
     when_a_box_opens(lambda box: box.button(QMessageBox.StandardButton.Yes).click())
-    window.delete(second)
+    window.actions.delete(second)
     qtbot.waitUntil(lambda: window.conversation_id == first, timeout=10_000)  # listed next
     assert window.composer.edit.toPlainText() == ""  # the first chat's draft: none
     assert window.drafts.drafts.get(second) == ""

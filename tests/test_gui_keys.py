@@ -234,11 +234,11 @@ def test_enter_in_the_delete_box_keeps_the_chat_and_deleting_the_open_one_clears
     send(qtbot, window, "Say hello.", greedy_tokens=4)
     chat = window.conversation_id
     seen = answer_the_box(qtbot, lambda box: qtbot.keyClick(box, Qt.Key.Key_Return), "Delete")
-    window.delete(chat)
+    window.actions.delete(chat)
     assert seen == ["&No"] and window.store.get(chat).id == chat  # Enter: kept
     yes = lambda box: box.button(box.StandardButton.Yes).click()  # noqa: E731
     answer_the_box(qtbot, yes, "Delete")
-    window.delete(chat)
+    window.actions.delete(chat)
     # The chat on screen is gone: an empty new chat takes its place, not the old view.
     qtbot.waitUntil(lambda: window.sidebar.list.count() == 0, timeout=10_000)
     assert window.conversation_id is None and window.chat.messages == []
@@ -255,7 +255,7 @@ def test_deleting_the_open_chat_shows_the_one_listed_next_to_it(qtbot, open_wind
     newer = window.conversation_id  # listed first, the older one below it
     yes = lambda box: box.button(box.StandardButton.Yes).click()  # noqa: E731
     answer_the_box(qtbot, yes, "Delete")
-    window.delete(newer)
+    window.actions.delete(newer)
     qtbot.waitUntil(lambda: window.conversation_id == older, timeout=10_000)
     assert window.chat.messages[0].content == "Say hello."
     assert window.sidebar.list.currentItem().data(Qt.ItemDataRole.UserRole) == older

@@ -17,7 +17,8 @@ from PySide6.QtWidgets import (
 
 from app import __version__
 from app.service.preferences import Preferences
-from app.ui import asking, quitting, theme, window_place
+from app.ui import quitting, theme, window_place
+from app.ui.chat_actions import ChatActions
 from app.ui.chat_header import ChatHeader
 from app.ui.chat_setup import ChatSetup
 from app.ui.chat_view import ChatView
@@ -87,7 +88,6 @@ class MainWindow(QMainWindow):
         self._turn_asked = False  # a turn was asked for, until it ends
         self._adding = False  # the worker is adding a model
         self.closing = False  # Quit: waiting for the worker to stop
-        self._shown_after_delete: int | None = None  # the chat on screen once it is deleted
         self.library_open = False  # the Models dialog is up (menus.open_models)
 
         self.sidebar = Sidebar()
@@ -107,6 +107,7 @@ class MainWindow(QMainWindow):
         self.turns = TurnFlow(self)
         self.setup = ChatSetup(self)
         self.model_flow = ModelFlow(self)
+        self.actions = ChatActions(self)
         build_menus(self)
 
         self.engine = WorkerThread()
@@ -224,9 +225,9 @@ class MainWindow(QMainWindow):
         self.sidebar.clicked.connect(self.composer.edit.setFocus)  # ready to type, as a new chat
         self.sidebar.match_opened.connect(self.show_match)
         self.sidebar.search_changed.connect(self.refresh_sidebar)
-        self.sidebar.rename_requested.connect(self.rename)
-        self.sidebar.delete_requested.connect(self.delete)
-        self.sidebar.export_requested.connect(self.export)
+        self.sidebar.rename_requested.connect(self.actions.rename)
+        self.sidebar.delete_requested.connect(self.actions.delete)
+        self.sidebar.export_requested.connect(self.actions.export)
         self.models.picked.connect(self.model_flow.pick)
 
     def model_ready(self) -> None:
@@ -259,7 +260,7 @@ class MainWindow(QMainWindow):
         self.setup.left()
         self.drafts.swap(conversation_id)
         self.conversation_id = conversation_id
-        self._shown_after_delete = None
+        self.actions.after_delete = None
         self.chat.show_messages(rendered_messages(self.store, conversation_id))
         self._show_header()
         self.status.say("")
@@ -370,8 +371,8 @@ class MainWindow(QMainWindow):
         self.models.show_replying(busy)
         if not busy:
             self.meter.end_reply()
-            if self.conversation_id is not None and not self._exists(self.conversation_id):
-                self._leave_deleted_chat()  # deleted while the turn ran
+            if self.conversation_id is not None and not self.exists(self.conversation_id):
+                self.actions.leave_deleted_chat()  # deleted while the turn ran
             self.ask_context()  # the chat changed: count it again
 
     @Slot(bool)
@@ -412,27 +413,17 @@ class MainWindow(QMainWindow):
     @Slot(int)
     def on_changed(self, conversation_id: int) -> None:
         """The worker changed something: read it again. The chat on screen deleted (during
-        its reply, or by another program): `_leave_deleted_chat`, once no turn is under
+        its reply, or by another program): `ChatActions.leave_deleted_chat`, once no turn is under
         way (the old view, left up, sent to a chat that was gone)."""
         on_screen = conversation_id in (0, self.conversation_id)
-        gone = self.conversation_id is not None and not self._exists(self.conversation_id)
+        gone = self.conversation_id is not None and not self.exists(self.conversation_id)
         if gone and not self.generating:
-            self._leave_deleted_chat()
+            self.actions.leave_deleted_chat()
         elif on_screen and not self.generating:
             self.show_conversation(self.conversation_id)
         self.refresh_sidebar()
 
-    def _leave_deleted_chat(self) -> None:
-        """The chat listed next to it, as its delete asked, or else a new chat; what the
-        box held comes along where that chat has no draft of its own (a turn sent to the
-        chat as it went failed, and gave its text back there)."""
-        after, self._shown_after_delete = self._shown_after_delete, None
-        typed = self.composer.draft()
-        self.show_conversation(after if after and self._exists(after) else None)
-        if typed and not self.composer.draft():
-            self.composer.show_draft(typed)
-
-    def _exists(self, conversation_id: int) -> bool:
+    def exists(self, conversation_id: int) -> bool:
         return any(c.id == conversation_id for c in self.store.list())
 
     @Slot(str)
@@ -460,40 +451,9 @@ class MainWindow(QMainWindow):
     def on_turn_failed(self) -> None:
         """The chat as saved (no reply bubble waits for a reply that is not coming), and
         the turn's text back where it was written if the chat did not keep it."""
-        if self.conversation_id is None or self._exists(self.conversation_id):
+        if self.conversation_id is None or self.exists(self.conversation_id):
             self.chat.show_messages(rendered_messages(self.store, self.conversation_id))
         self.turns.failed()
-
-    # -- sidebar actions ---------------------------------------------------------------
-
-    @Slot(int)
-    def rename(self, conversation_id: int) -> None:
-        title = asking.new_title(self, self.store.get(conversation_id).title)
-        if title is not None:
-            self.rename_requested.emit(conversation_id, title)
-
-    @Slot(int)
-    def delete(self, conversation_id: int) -> None:
-        """The chat on screen, deleted, makes way at once for the one listed next to it
-        (a review: left on screen until the worker got to the delete, it took a message
-        or a system prompt meant for the chat that was going); during its own reply, once
-        the reply ends."""
-        if not asking.confirm_delete(self, self.store.get(conversation_id).title):
-            return
-        if conversation_id == self.conversation_id:
-            after = self.sidebar.neighbour(conversation_id)
-            if self.replying:
-                self._shown_after_delete = after
-            else:
-                self.show_conversation(after)
-        self.drafts.drop(conversation_id)
-        self.delete_requested.emit(conversation_id)
-
-    @Slot(int, str)
-    def export(self, conversation_id: int, fmt: str) -> None:
-        path = asking.export_path(self, self.store.get(conversation_id).title, fmt)
-        if path is not None:
-            self.export_requested.emit(conversation_id, fmt, path)
 
     # -- quitting ------------------------------------------------------------------------
 

@@ -151,7 +151,7 @@ def open_models(window: MainWindow) -> None:
 
 def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable[[], None]]]]:
     """Each menu's entries: (label, keys, what it does)."""
-    export_markdown = partial(window.export, fmt="markdown")
+    export_markdown = partial(window.actions.export, fmt="markdown")
     return {
         "&File": [
             ("New chat", QKeySequence.StandardKey.New, window.new_chat),
@@ -171,9 +171,13 @@ def menu_entries(window: MainWindow) -> dict[str, list[tuple[str, Keys, Callable
             ("Previous chat", "Ctrl+PgUp", lambda: step_chat(window, -1)),
             ("Find in chats", QKeySequence.StandardKey.Find, lambda: focus_search(window)),
             ("Write a message", "Ctrl+L", window.composer.edit.setFocus),
-            ("Rename this chat…", "F2", lambda: on_this_chat(window, window.rename)),
+            ("Rename this chat…", "F2", lambda: on_this_chat(window, window.actions.rename)),
             ("Export this chat…", "Ctrl+E", lambda: on_this_chat(window, export_markdown)),
-            ("Delete this chat…", "Ctrl+Shift+D", lambda: on_this_chat(window, window.delete)),
+            (
+                "Delete this chat…",
+                "Ctrl+Shift+D",
+                lambda: on_this_chat(window, window.actions.delete),
+            ),
         ],
     }
 
