@@ -6,14 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from gui_window import (
-    send,
-)
+from gui_window import send, when_a_box_opens
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (
-    QLabel,
-    QPushButton,
-)
+from PySide6.QtWidgets import QLabel, QMessageBox, QPushButton
 
 from app.service.preferences import Preferences
 from app.ui.preferences import KV_FIGURES, PreferencesDialog, kv_tradeoffs
@@ -65,6 +60,12 @@ def test_clearing_caches_shows_the_space_it_freed(qtbot, open_window):
     qtbot.addWidget(dialog)
     assert not dialog.usage_label.text().startswith("0.0 MB")
     clear = next(b for b in dialog.findChildren(QPushButton) if b.text() == "Clear caches")
+    # Asked first (a walk: it acted at once, in a dialog whose Cancel did not undo it).
+    when_a_box_opens(lambda box: box.button(QMessageBox.StandardButton.No).click())
+    qtbot.mouseClick(clear, Qt.MouseButton.LeftButton)
+    qtbot.wait(300)
+    assert window.index.usage()[1] > 0 and not dialog.usage_label.text().startswith("0.0 MB")
+    when_a_box_opens(lambda box: box.button(QMessageBox.StandardButton.Yes).click())
     qtbot.mouseClick(clear, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: dialog.usage_label.text().startswith("0.0 MB"), timeout=10_000)
     window.refresh_sidebar()

@@ -49,7 +49,7 @@ class Preferences:
     kv_group_size: int = 64
     quantized_kv_start: int = 0
     max_context: int | None = None  # None: the model's own
-    cache_budget_bytes: int = 10 * 2**30
+    cache_budget_bytes: int = 10 * 10**9  # 10 GB, as Preferences says it
     cache_chunk_tokens: int = 256
     theme: str = "system"
 

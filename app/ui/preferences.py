@@ -120,7 +120,7 @@ def kv_tradeoffs(path: Traversable = KV_FIGURES["cpu"], device: str = "cpu") -> 
     return lines
 
 
-GIB = 2**30
+GB = 10**9  # as every other size in the window says it (a walk saw "10.00 GiB" here)
 
 
 def usage_text(usage: int) -> str:
@@ -223,11 +223,11 @@ class PreferencesDialog(QDialog):
     def _storage_tab(self, values: dict, usage: int) -> QWidget:
         page = QWidget()
         form = QFormLayout(page)
-        self.budget = self._double(0.1, 10_000, 0.5, values["cache_budget_bytes"] / GIB)
-        self.budget.setSuffix(" GiB")
+        self.budget = self._double(0.1, 10_000, 0.5, values["cache_budget_bytes"] / GB)
+        self.budget.setSuffix(" GB")
         self.usage_label = QLabel(usage_text(usage))
         clear = QPushButton("Clear caches")
-        clear.clicked.connect(self.clear_caches_requested)
+        clear.clicked.connect(self._clear_if_sure)
         open_folder = QPushButton("Open cache folder")
         open_folder.clicked.connect(self.open_cache_folder)
         row = QHBoxLayout()
@@ -242,6 +242,21 @@ class PreferencesDialog(QDialog):
         )
         form.addRow(row)
         return page
+
+    @Slot()
+    def _clear_if_sure(self) -> None:
+        """Asked first: it acts at once, and Cancel on this dialog does not undo it (a
+        new user's walk)."""
+        said = (
+            f"Delete what was saved to reopen chats at once ({self.usage_label.text()})? "
+            "No message is lost: each chat is read again the next time it is continued."
+        )
+        buttons = QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No
+        answer = QMessageBox.question(
+            self, "Clear caches", said, buttons, QMessageBox.StandardButton.No
+        )
+        if answer == QMessageBox.StandardButton.Yes:
+            self.clear_caches_requested.emit()
 
     def follow_usage(self, changed: SignalInstance, usage: Callable[[], int]) -> None:
         """Show the caches' size again whenever `changed` says the worker changed
@@ -311,7 +326,7 @@ class PreferencesDialog(QDialog):
             kv_group_size=self.kv_group_size.currentData(),
             quantized_kv_start=self.quantized_kv_start.value(),
             max_context=self.max_context.value() or None,
-            cache_budget_bytes=int(self.budget.value() * GIB),
+            cache_budget_bytes=int(self.budget.value() * GB),
             theme=self.theme.currentData(),
         )
 
