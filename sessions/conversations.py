@@ -162,6 +162,10 @@ class ConversationStore:
             conversation.messages = self.branch(newest)
         return conversation
 
+    def exists(self, conversation_id: int) -> bool:
+        """Whether the conversation is there (one row read, not the whole list)."""
+        return bool(self.db["conversations"].count_where("id = ?", [conversation_id]))
+
     @guarded
     def list(self) -> list[Conversation]:
         """All conversations, most recently updated first (without their messages)."""

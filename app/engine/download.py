@@ -154,8 +154,6 @@ def download_model(
                 should_cancel,
             )
             done, unlisted = done + written, unlisted + (0 if size else written)
-        if should_cancel():  # the last file's end was awaited: nothing goes in place
-            raise DownloadCancelled()
     report(done, max(total, done), "")
     return target
 
@@ -190,7 +188,7 @@ UNREADABLE = (TypeError, ValueError, KeyError, AttributeError, RecursionError, O
 
 
 def _unreadable(repo_id: str, endpoint: str | None) -> str:
-    host = _host(endpoint or "https://huggingface.co")
+    host = _host(endpoint)
     return (
         f"The hub ({host}) answered, but its list of {repo_id!r}'s files could not be "
         "read: nothing was downloaded. Try again later."
@@ -231,7 +229,7 @@ def _gb(count: int) -> str:
 
 def _lost(filename: str, repo_id: str, endpoint: str | None, exc: BaseException) -> str:
     """Why a file did not come, in words (a stalled line used to be "a bug")."""
-    host = _host(endpoint or "https://huggingface.co")
+    host = _host(endpoint)
     if isinstance(exc, urllib.error.HTTPError):
         return f"Downloading {filename} failed: {host} answered {exc.code} ({exc.reason})."
     if isinstance(exc, http.client.HTTPException):  # closed mid-file, or not HTTP at all
@@ -242,7 +240,7 @@ def _lost(filename: str, repo_id: str, endpoint: str | None, exc: BaseException)
 def _unreachable(repo_id: str, endpoint: str | None, exc: BaseException) -> str:
     """Why the hub did not answer, in words (found on a new-user walk: "[Errno -2] Name
     or service not known" was all it said, with no machine online)."""
-    host = _host(endpoint or "https://huggingface.co")
+    host = _host(endpoint)
     cause = _innermost(exc)
     if isinstance(cause, OSError):  # no network, no name lookup, refused, timed out
         detail = cause.strerror or str(cause)
@@ -253,10 +251,10 @@ def _unreachable(repo_id: str, endpoint: str | None, exc: BaseException) -> str:
     return f"Could not reach the hub ({host}) for {repo_id!r}: {exc}"
 
 
-def _host(endpoint: str) -> str:
-    """The endpoint's host (and port), never its user or password."""
+def _host(endpoint: str | None) -> str:
+    """The endpoint's host (and port), never its user or password; None is the hub's."""
     try:
-        parts = urllib.parse.urlsplit(endpoint)
+        parts = urllib.parse.urlsplit(endpoint or "https://huggingface.co")
         host, port = parts.hostname, parts.port
     except ValueError:
         return "the hub's address is not valid"

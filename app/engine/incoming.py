@@ -99,9 +99,7 @@ def save(
         said = incoming.said or response.length or 0  # a file with no size listed
         if said > incoming.cap:
             raise DownloadError(_too_large(incoming))
-        written = _copy(
-            response, _opened(path, incoming.name), incoming, unreachable, on_bytes, should_cancel
-        )
+        written = _copy(response, path, incoming, unreachable, on_bytes, should_cancel)
     if said and written != said:
         raise DownloadError(
             f"{incoming.name} arrived incomplete ({written:,} of {said:,} bytes); "
@@ -110,9 +108,9 @@ def save(
     return written
 
 
-def _copy(response, out, incoming: Incoming, unreachable, on_bytes, should_cancel) -> int:
+def _copy(response, path: Path, incoming: Incoming, unreachable, on_bytes, should_cancel) -> int:
     written = 0
-    with out:
+    with _opened(path, incoming.name) as out:
         while True:
             with _lost_as(unreachable, should_cancel):
                 piece = response.read1(PIECE)
@@ -123,7 +121,7 @@ def _copy(response, out, incoming: Incoming, unreachable, on_bytes, should_cance
             written += len(piece)
             if written > incoming.cap:
                 raise DownloadError(_too_large(incoming))
-            _write(out, piece, incoming.name, Path(out.name))
+            _write(out, piece, incoming.name, path)
             if (written - len(piece)) // BLOCK != written // BLOCK:
                 on_bytes(written)
     if should_cancel():  # pressed while the end was awaited (a slow close, trailers)

@@ -59,6 +59,6 @@ class ChatActions(QObject):
         w = self.window
         after, self.after_delete = self.after_delete, None
         typed = w.composer.draft()
-        w.show_conversation(after if after and w.exists(after) else None)
+        w.show_conversation(after if after and w.store.exists(after) else None)
         if typed and not w.composer.draft():
             w.composer.show_draft(typed)

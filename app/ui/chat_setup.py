@@ -40,10 +40,7 @@ class ChatSetup(QObject):
         chat = self._on_screen()
         own = (chat.system_prompt if chat else None) or ""
         text = asking.system_prompt(w, own, w.preferences().system_prompt)
-        w.composer.edit.setFocus()  # back to typing (`change_chat_settings`)
-        if self._moved_on(chat):
-            return
-        if text is not None and (chat is not None or text.strip()):
+        if self._still_on(chat) and text is not None and (chat is not None or text.strip()):
             self._ask(w.system_prompt_requested, chat, text)
 
     @Slot()
@@ -53,12 +50,7 @@ class ChatSetup(QObject):
             return
         chat = self._on_screen()
         chosen = chat_settings(w, chat.overrides if chat else ChatOverrides(), w.preferences())
-        # Back to typing: focus went back to the header's button, so the next word typed
-        # was lost and its space opened the dialog again (a new-user walk).
-        w.composer.edit.setFocus()
-        if self._moved_on(chat):
-            return
-        if chosen is not None and (chat is not None or chosen.given()):
+        if self._still_on(chat) and chosen is not None and (chat is not None or chosen.given()):
             self._ask(w.chat_settings_requested, chat, chosen)
 
     def _can_change(self) -> bool:
@@ -66,15 +58,18 @@ class ChatSetup(QObject):
         w = self.window
         return not w.generating and (w.conversation_id is not None or w.models.ready)
 
-    def _moved_on(self, chat: Conversation | None) -> bool:
-        """Whether the window shows another chat than the dialog was opened for (a
-        review: a chat deleted while the dialog was up made way for its neighbour, which
-        got the prompt): the change is then dropped, and said so."""
+    def _still_on(self, chat: Conversation | None) -> bool:
+        """After a dialog: the keyboard back in the message box (it stayed on the header's
+        button, so the next word was lost and its space opened the dialog again: a new
+        user's walk), and whether the window still shows the chat the dialog was opened
+        for. A chat deleted while the dialog was up made way for its neighbour, which got
+        the prompt (a review): the change is then dropped, and said so."""
         w = self.window
+        w.composer.edit.setFocus()
         if w.conversation_id == (chat.id if chat else None):
-            return False
+            return True
         w.status.say("That chat was deleted meanwhile: nothing was changed")
-        return True
+        return False
 
     def _on_screen(self) -> Conversation | None:
         w = self.window

@@ -371,7 +371,7 @@ class MainWindow(QMainWindow):
         self.models.show_replying(busy)
         if not busy:
             self.meter.end_reply()
-            if self.conversation_id is not None and not self.exists(self.conversation_id):
+            if self._gone():
                 self.actions.leave_deleted_chat()  # deleted while the turn ran
             self.ask_context()  # the chat changed: count it again
 
@@ -416,15 +416,15 @@ class MainWindow(QMainWindow):
         its reply, or by another program): `ChatActions.leave_deleted_chat`, once no turn is under
         way (the old view, left up, sent to a chat that was gone)."""
         on_screen = conversation_id in (0, self.conversation_id)
-        gone = self.conversation_id is not None and not self.exists(self.conversation_id)
-        if gone and not self.generating:
+        if self._gone() and not self.generating:
             self.actions.leave_deleted_chat()
         elif on_screen and not self.generating:
             self.show_conversation(self.conversation_id)
         self.refresh_sidebar()
 
-    def exists(self, conversation_id: int) -> bool:
-        return any(c.id == conversation_id for c in self.store.list())
+    def _gone(self) -> bool:
+        """The chat on screen was deleted (by its delete, or by another program)."""
+        return self.conversation_id is not None and not self.store.exists(self.conversation_id)
 
     @Slot(str)
     def on_failed(self, message: str) -> None:
@@ -451,7 +451,7 @@ class MainWindow(QMainWindow):
     def on_turn_failed(self) -> None:
         """The chat as saved (no reply bubble waits for a reply that is not coming), and
         the turn's text back where it was written if the chat did not keep it."""
-        if self.conversation_id is None or self.exists(self.conversation_id):
+        if self.conversation_id is None or self.store.exists(self.conversation_id):
             self.chat.show_messages(rendered_messages(self.store, self.conversation_id))
         self.turns.failed()
 

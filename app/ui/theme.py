@@ -194,7 +194,7 @@ class FocusStyle(QProxyStyle):
 class RoomForTheRing(QStyledItemDelegate):
     """Rows of a table or tree tall enough for the focus ring above and below their text
     (it cut the tops of the letters off in Models and Keyboard shortcuts: a new user's
-    walk). The sidebar's rows have their own delegate, with the same room."""
+    walk). The sidebar's rows make their own room (`sidebar.ResultDelegate`)."""
 
     def sizeHint(self, option, index) -> QSize:
         size = super().sizeHint(option, index)
