@@ -37,7 +37,7 @@ from app.engine.conversation import CacheSaved, ConversationEngine, ReplyFinishe
 from app.engine.errors import UserError
 from app.engine.generation import KVSettings, SamplingSettings
 from app.engine.kvscheme import parse_format
-from app.engine.planner import READ_BANDWIDTH, recompute_is_faster
+from app.engine.planner import READ_BANDWIDTH
 from app.resource_files import resource
 from sessions import paths
 from sessions.cachefiles import path_from_url
@@ -107,6 +107,7 @@ def measure(
     # the builder's cache had, as an app's restore does (it drops the cache it held first).
     builder.session.reset()
     reopened = ConversationEngine(open_db(), loaded)  # a new engine, as after a restart
+    reopened.races.enabled = False  # the restore itself, timed
     planned = reopened.planner.estimates(entry, len(entry.tokens))
     # Measure the restore whichever path the planner would take; its choice is scored below.
     reopened.planner.measurements.forget(READ_BANDWIDTH)
@@ -119,6 +120,8 @@ def measure(
     prompt = reopened.session.render(reopened.store.get(conversation.id).chat_messages()[:-1])
     fresh = ChatSession(loaded)
     *_, recomputed = fresh.generate(prompt, sampling=options.sampling, kv=kv)
+    user = reopened.store.message(restored.message_id).parent_id
+    planned_turn = measure_planned(loaded, conversation.id, user, options, cold)
     reopened.planner.learn_prefill_rate(recomputed.stats)  # for the rows after, as an app would
     repeated = measure_restores(reopened, conversation.id, cold)
 
@@ -132,8 +135,6 @@ def measure(
     follow_ups = measure_follow_ups(loaded, conversation.id, options, kv_bytes_per_token)
     rows_per_token = row_bytes_per_token(loaded, entry.kv_format)
     added = follow_ups.pop("follow_ups_tokens_added")
-    choice = "recompute" if recompute_is_faster(planned) else "restore"
-    chosen = recomputed.stats.ttft_s if choice == "recompute" else restored.ttft_s
     return {
         "history_tokens": len(entry.tokens),
         "kv_format": entry.kv_format,
@@ -157,8 +158,9 @@ def measure(
         "follow_ups_written_vs_new_rows_bytes": follow_ups["follow_ups_bytes_written"]
         / (added * rows_per_token),
         "planner_estimates_s": {"restore": planned[0], "recompute": planned[1]},
-        "planner_choice": choice,  # "restore" too when nothing was measured yet
-        "planner_vs_faster": chosen / min(restored.ttft_s, recomputed.stats.ttft_s),
+        **planned_turn,
+        "planner_vs_faster": planned_turn["ttft_planned_s"]
+        / min(restored.ttft_s, recomputed.stats.ttft_s),
         **prefetched,
         **follow_ups,
         **peer_row,
@@ -225,6 +227,26 @@ def measure_restores(engine: ConversationEngine, conversation_id: int, cold: boo
         "restore_median_s": restore,
         "raw_read_median_s": read,
         "restore_vs_raw_read_median": restore / read,
+    }
+
+
+def measure_planned(
+    loaded, conversation_id: int, user_message_id: int, options: TurnOptions, cold: bool
+) -> dict:
+    """The reopened turn as the app takes it, after a restart: where the planner sends it
+    or, at a size it has not measured where the GPU has memory of its own, the race of
+    restoring against recomputing (app/engine/restore_race.py). The prompt is the one
+    restored and recomputed above (an edit of the same message)."""
+    engine = ConversationEngine(open_db(), loaded)
+    if cold:
+        evict(cache_files(engine, conversation_id))
+    events = list(engine.edit(user_message_id, "And in one word?", options))
+    finished = events[-2]
+    source = finished.restore.source
+    return {
+        "planner_choice": ("race, " if finished.restore.raced else "")
+        + ("restore" if source == "disk" else "recompute"),
+        "ttft_planned_s": finished.ttft_s,
     }
 
 
@@ -362,7 +384,7 @@ HEADER = (
     f"{'history':>8} {'cache MB':>9} {'restore':>8} {'MB/s':>6} {'raw read MB/s':>14} "
     f"{'TTFT restore':>13} {'TTFT recompute':>15} "
     f"{'speedup':>8} {'restore/raw read':>17} {'written/new KV':>15} "
-    f"{'TTFT prefetched':>16} {'TTFT in memory':>15} {'planner':>18} "
+    f"{'TTFT prefetched':>16} {'TTFT in memory':>15} {'planner':>22} "
     f"{'follow-ups written/new KV':>26} {'/new rows':>10} {'restore/raw read, median':>25}"
 )
 
@@ -375,7 +397,7 @@ def row_text(r: dict) -> str:
         f"{r['ttft_recompute_s']:14.3f}s {r['reopen_speedup']:7.1f}x "
         f"{r['restore_vs_raw_read']:16.2f}x {r['written_vs_new_kv_bytes']:14.2f}x "
         f"{r['ttft_prefetched_s']:15.3f}s {r['ttft_in_memory_s']:14.3f}s "
-        f"{r['planner_choice']:>10} {r['planner_vs_faster']:6.2f}x "
+        f"{r['planner_choice']:>14} {r['planner_vs_faster']:6.2f}x "
         f"{r['follow_ups_written_vs_new_kv_bytes']:25.2f}x "
         f"{r['follow_ups_written_vs_new_rows_bytes']:9.2f}x "
         f"{r['restore_vs_raw_read_median']:24.2f}x{peer}"

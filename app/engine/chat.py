@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -36,12 +37,16 @@ from app.engine.kvscheme import SIXTEEN_BIT, KVScheme, scheme_for, usable_format
 from app.engine.loading import LoadedModel
 from app.engine.prompt_checkpoints import PromptCheckpoint, TemplateFacts
 from app.engine.steps import (
+    Quantize,
     decode,
     first_call_tokens,
     make_next_token,
     prefill,
     reusable_prefix,
 )
+
+if TYPE_CHECKING:
+    from app.engine.restore_race import RestoreRace
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
 Event = TextDelta | PromptProgress | TurnFinished
@@ -149,11 +154,7 @@ class ChatSession:
         if not self.cache_usable(kv):
             self.cache = make_prompt_cache(self.loaded.model)
             self.tokens = []
-        wanted = self.kv_scheme(kv)
-        for layer in self.cache:
-            # (a float16 layer serving a quantized scheme is converted by the steps)
-            if isinstance(layer, MixedKVCache) and layer.scheme.format == wanted.format:
-                layer.set_window(wanted.window)
+        self._fit_windows(kv)
         keep = reusable_prefix(self.tokens, prompt)
         excess = len(self.tokens) - keep
         if excess > 0 and trim_prompt_cache(self.cache, excess) != excess:
@@ -161,6 +162,14 @@ class ChatSession:
             self.tokens, keep = [], 0
         del self.tokens[keep:]
         return keep
+
+    def _fit_windows(self, kv: KVSettings) -> None:
+        """Each quantized layer of the cache keeps the 16-bit window `kv` asks for."""
+        wanted = self.kv_scheme(kv)
+        for layer in self.cache:
+            # (a float16 layer serving a quantized scheme is converted by the steps)
+            if isinstance(layer, MixedKVCache) and layer.scheme.format == wanted.format:
+                layer.set_window(wanted.window)
 
     # -- generation -----------------------------------------------------------
 
@@ -189,10 +198,13 @@ class ChatSession:
         should_stop: Callable[[], bool] = lambda: False,
         max_context: int | None = None,
         checkpoint: PromptCheckpoint | None = None,
+        race: RestoreRace | None = None,
     ) -> Iterator[Event]:
         """Stream a reply to `prompt`; `max_context` caps prompt plus reply below the
         model's own context length (a memory preference). The prefill stops where
-        `checkpoint` says, for its `take`, when that is within the prompt's new tokens."""
+        `checkpoint` says, for its `take`, when that is within the prompt's new tokens.
+        `race`: a restore of the prompt's first tokens read meanwhile, taken in place
+        of the prefill's cache when it is in first (app/engine/restore_race.py)."""
         sampling = sampling or SamplingSettings()
         kv = kv or KVSettings()
         turn = _Turn(prompt, time.perf_counter())
@@ -213,13 +225,14 @@ class ChatSession:
                 tail = len(prompt) - checkpoint.tokens  # the generation prompt
             else:
                 checkpoint = None
-            for done in prefill(self.loaded.model, self.cache, remaining[:-tail], quantize):
-                self.tokens = list(prompt[: turn.reused + done])
-                yield PromptProgress(done, len(remaining))
+            steps = self._prefill(turn, len(prompt) - tail, quantize, kv, race)
+            for progress in steps:
+                yield progress
                 if should_stop():
+                    steps.close()
                     yield self._finish(turn, "", "cancelled")
                     return
-            if not remaining[:-tail] and should_stop():  # a short prompt has no prefill step
+            if len(remaining) <= tail and should_stop():  # a short prompt has no prefill step
                 yield self._finish(turn, "", "cancelled")
                 return
             if checkpoint:
@@ -234,6 +247,36 @@ class ChatSession:
                 turn, tokens, min(sampling.max_tokens, room), should_stop
             )
         yield self._finish(turn, text, reason)
+
+    def _prefill(
+        self,
+        turn: _Turn,
+        end: int,
+        quantize: Quantize,
+        kv: KVSettings,
+        race: RestoreRace | None,
+    ) -> Iterator[PromptProgress]:
+        """Prefill the turn's prompt up to token `end` in steps, yielding the progress
+        after each (closing it between steps leaves the cache holding whole steps).
+        Where `race` has the history restored first, its cache replaces the one being
+        prefilled, which goes on from the restore's end."""
+        counted_from, total = turn.reused, len(turn.prompt) - turn.reused
+        while turn.reused < end:
+            restored = None
+            todo = turn.prompt[turn.reused : end]
+            for done in prefill(self.loaded.model, self.cache, todo, quantize):
+                self.tokens = list(turn.prompt[: turn.reused + done])
+                yield PromptProgress(len(self.tokens) - counted_from, total)
+                if race is not None and (restored := race.take(len(self.tokens))) is not None:
+                    break
+            if restored is None:
+                break
+            self.cache, self.tokens = restored.cache, list(restored.tokens)
+            self._fit_windows(kv)
+            turn.reused, race = len(self.tokens), None
+            yield PromptProgress(turn.reused - counted_from, total)
+        if race is not None:  # the prefill has the history, or stopped before it
+            race.cancel()
 
     def _decode(
         self,

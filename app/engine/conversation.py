@@ -29,6 +29,7 @@ from app.engine.kvstore import KVStore, SaveReport
 from app.engine.loading import LoadedModel
 from app.engine.planner import ReopenPlanner, recompute_is_faster
 from app.engine.prompt_checkpoints import PromptCheckpoints
+from app.engine.restore_race import Races
 from app.engine.snapshots import can_trim
 from app.engine.steps import reusable_prefix
 from app.engine.turns import (
@@ -63,6 +64,7 @@ class ConversationEngine:
         self.budget_bytes = budget_bytes
         self._in_memory: int | None = None  # the conversation whose cache `session` holds
         self._unstamped: list[str] = []  # files this turn restored from, for its save to stamp
+        self.races = Races(self.kvstore, self.planner)  # restores beside recomputing
         # Checkpoints before generation prompts, for the chats that need them.
         self.prompt_checkpoints = PromptCheckpoints(self.kvstore, self.session)
 
@@ -202,7 +204,7 @@ class ConversationEngine:
         options: TurnOptions,
     ) -> tuple[list[int], RestoreInfo]:
         restore = self._prepare_cache(conversation_id, entry, prompt, options.kv)
-        if restore.source == "recompute" and entry is not None:
+        if restore.source == "recompute" and entry is not None and not restore.raced:
             # The saved tokens go with the cache they came from: without it, the
             # turn is what it would be had nothing been saved.
             prompt = render([])
@@ -229,6 +231,7 @@ class ConversationEngine:
                 should_stop=should_stop,
                 max_context=options.max_context,
                 checkpoint=self.prompt_checkpoints.for_turn(conversation_id, prompt),
+                race=self.races.current,
             ):
                 if isinstance(event, TextDelta):
                     if first and before:
@@ -237,15 +240,18 @@ class ConversationEngine:
                     first = False
                     writer.append(event.text)
                 elif isinstance(event, TurnFinished):
+                    restore = self._end_race(restore)
                     text = before + lead + event.text
                     event = ReplyFinished(
                         text, event.stats, restore, conversation_id, writer.message_id
                     )
                     state = "cancelled" if event.stats.finish_reason == "cancelled" else "complete"
                     writer.finish(state, event.to_dict(), text)
-                    self.planner.learn_prefill_rate(event.stats)
+                    if not (restore.raced and restore.source == "disk"):  # a prefill let go
+                        self.planner.learn_prefill_rate(event.stats)
                 yield event
         except BaseException:
+            self._end_race(restore)
             writer.finish("failed")
             self._in_memory = None
             self.session.reset()
@@ -315,6 +321,8 @@ class ConversationEngine:
             return refused
         usable = reusable_prefix(entry.tokens, prompt)
         estimates = self.planner.estimates(entry, usable)
+        if self.races.wanted(usable) and self.races.start(entry, usable):
+            return RestoreInfo(*_NOTHING, *estimates, raced=True)
         if recompute_is_faster(estimates):
             return RestoreInfo(*_NOTHING, *estimates, "recomputing is estimated to be faster")
         restored = self._restore(entry, usable, estimates)
@@ -359,6 +367,7 @@ class ConversationEngine:
     ) -> RestoreInfo | None:
         """Let go of the cache in memory (`conversation_id` is the one coming); then why
         its saved cache cannot serve a turn with `kv`, if it cannot."""
+        self._end_race(RestoreInfo())
         self.session.reset()
         self._in_memory = conversation_id
         if entry is None:
@@ -372,6 +381,13 @@ class ConversationEngine:
             )
         return None
 
+    def _end_race(self, restore: RestoreInfo) -> RestoreInfo:
+        """`restore` as the turn's race ended, if it raced."""
+        restore = self.races.end(restore)
+        if restore.raced and restore.source == "disk":
+            self._unstamped = self.races.keys  # after the reply: see `_stamp_restored`
+        return restore
+
     def _restore(
         self,
         entry: ConversationCache,
@@ -384,6 +400,7 @@ class ConversationEngine:
             return RestoreInfo("recompute", result.seconds, 0, 0, *estimates, result.rejected)
         self.session.cache, self.session.tokens = result.cache, result.tokens
         self.planner.learn_read(result.bytes_read, result.seconds)
+        self.planner.learn_copy(result.bytes_read, result.copy_s)  # for races, on a GPU
         return RestoreInfo(
             "disk",
             result.seconds,

@@ -20,7 +20,7 @@ the next files while the last one is copied to the device (`_read_files`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -45,6 +45,7 @@ from app.engine.codecs import (
     stored_dtype,
     stored_format,
 )
+from app.engine.host_read import ChunkReads, HostRead
 from app.engine.kvquant import MixedKVCache
 from app.engine.loading import LoadedModel
 from app.engine.stored_arrays import device_apart, read_in_threads, to_device
@@ -80,6 +81,7 @@ class RestoreResult:
     bytes_read: int = 0
     rejected: str | None = None
     checkpoint: int | None = None  # which snapshot of the conversation's, from 1
+    copy_s: float = 0.0  # of `seconds`, the copies to a GPU's own memory (0: none)
 
 
 class KVStore:
@@ -89,6 +91,7 @@ class KVStore:
         self.chunk_tokens = chunk_tokens
         self.fingerprint = model_fingerprint(loaded.path)
         self.sixteen_bit = sixteen_bit_type(loaded.path)
+        self.copy_seconds = 0.0  # the copies to the device of the restore under way
         # Found once per loaded model, when the engine starts, not in a restore.
         self._shapes: list[LayerShape | None] = loaded.cache_layer_shapes
 
@@ -304,10 +307,9 @@ class KVStore:
         The files read are not stamped as used here (a write, an fsync, before the first
         token would delay it): the caller stamps them, a turn after its reply
         (`ConversationEngine._stamp_restored`, or its save), a prefetch at once."""
-        started = time.perf_counter()
+        started, self.copy_seconds = time.perf_counter(), 0.0
         try:
-            if entry.model_fingerprint != self.fingerprint:
-                raise CacheRejected("saved for a different model")
+            self._check_model(entry)
             checkpoint = None
             if entry.checkpoint_keys:
                 cache, restored, size, checkpoint = checkpoints.restore(self, entry, usable)
@@ -316,7 +318,40 @@ class KVStore:
         except CacheRejected as exc:
             return RestoreResult(None, [], time.perf_counter() - started, rejected=exc.reason)
         seconds = time.perf_counter() - started
-        return RestoreResult(cache, entry.tokens[:restored], seconds, size, checkpoint=checkpoint)
+        tokens = entry.tokens[:restored]
+        return RestoreResult(cache, tokens, seconds, size, None, checkpoint, self.copy_seconds)
+
+    def read_on_host(self, entry: ConversationCache, usable: int) -> HostRead | None:
+        """Start reading and checking the chunk files of `entry`'s first `usable` tokens
+        into host memory, on threads of their own, for `restore_read` to take later:
+        what a restore raced against recomputing reads (`restore_race`). None where
+        the cache is not in chunks alone (a checkpoint's layers restore as before) or
+        cannot be restored."""
+        if entry.checkpoint_keys or None in self._shapes or usable <= 0:
+            return None
+        try:
+            self._check_model(entry)
+            reads = self._chunk_reads(entry, usable)
+        except CacheRejected:
+            return None
+        return HostRead(reads, _READ_AHEAD) if reads.chunks else None
+
+    def restore_read(self, entry: ConversationCache, usable: int, read: HostRead) -> RestoreResult:
+        """`restore`, from the files `read` holds in host memory (`read_on_host`, done):
+        their tensors copied to the device and joined."""
+        started, self.copy_seconds = time.perf_counter(), 0.0
+        try:
+            cache, restored, size = self._join(read.reads, self._on_device(read.files()), usable)
+            if None in cache:
+                raise CacheRejected("the chunks do not hold every layer")
+        except CacheRejected as exc:
+            return RestoreResult(None, [], time.perf_counter() - started, rejected=exc.reason)
+        seconds, tokens = time.perf_counter() - started, entry.tokens[:restored]
+        return RestoreResult(cache, tokens, seconds, size, copy_s=self.copy_seconds)
+
+    def _check_model(self, entry: ConversationCache) -> None:
+        if entry.model_fingerprint != self.fingerprint:
+            raise CacheRejected("saved for a different model")
 
     def _load_chunks(self, entry: ConversationCache, usable: int) -> tuple[list, int, int]:
         if usable <= 0:
@@ -332,6 +367,13 @@ class KVStore:
         """The layers `entry`'s chunks hold (None where they hold none) for its first
         `usable` tokens, or fewer where a chunk was evicted; (layers, their token
         count, bytes read). Each chunk is checked by its layers' codecs."""
+        reads = self._chunk_reads(entry, usable)
+        with closing(self._read_files(reads.paths, reads.expected)) as files:
+            return self._join(reads, files, usable)
+
+    def _chunk_reads(self, entry: ConversationCache, usable: int) -> ChunkReads:
+        """The chunks a restore of `entry`'s first `usable` tokens reads (from the
+        index: the main thread's), and what each file must say of itself."""
         chunks = [chunk for chunk in self._saved_rows(entry) if chunk[1] < usable]
         paths = paths_from_urls([row["url"] for *_, row in chunks], self.index.root)
         expected = []
@@ -341,12 +383,18 @@ class KVStore:
                 self.fingerprint, entry.kv_format, key, start, end, part, len(self._shapes)
             )
             expected.append(manifest.expected())
-        join = ChunkJoin(self._shapes, entry.kv_format, chunks[-1][2] if chunks else 0)
+        return ChunkReads(entry.kv_format, chunks, paths, expected)
+
+    def _join(
+        self, reads: ChunkReads, files: Iterable[tuple[dict, dict]], usable: int
+    ) -> tuple[list, int, int]:
+        """The chunks' layers from their files' (tensors, metadata), in order."""
+        chunks = reads.chunks
+        join = ChunkJoin(self._shapes, reads.kv_format, chunks[-1][2] if chunks else 0)
         total, size = 0, 0
-        with closing(self._read_files(paths, expected)) as read:
-            for (_, start, end, row), (tensors, metadata) in zip(chunks, read, strict=True):
-                join.add(tensors, read_classes(metadata, len(self._shapes)), (start, end))
-                total, size = end, size + row["bytes"]
+        for (_, start, end, row), (tensors, metadata) in zip(chunks, files, strict=True):
+            join.add(tensors, read_classes(metadata, len(self._shapes)), (start, end))
+            total, size = end, size + row["bytes"]
         if not total:
             raise CacheRejected("cache files were evicted")
         return join.build(total - min(usable, total)), min(usable, total), size
@@ -364,8 +412,20 @@ class KVStore:
                 yield read_file(path, wanted)
             return
         calls = list(zip(paths, expected, strict=True))
-        for tensors, metadata in read_in_threads(read_file, calls, _READ_AHEAD):
-            yield to_device(tensors), metadata
+        yield from self._on_device(read_in_threads(read_file, calls, _READ_AHEAD))
+
+    def _on_device(self, files: Iterable[tuple[dict, dict]]) -> Iterator[tuple[dict, dict]]:
+        """Files read into host memory, their tensors copied to the device where it has
+        memory of its own (elsewhere the join copies them into the layers' buffers);
+        the copies' time is added up (`copy_seconds`) for the planner."""
+        if not device_apart():
+            yield from files
+            return
+        for tensors, metadata in files:
+            started = time.perf_counter()
+            on_device = to_device(tensors)
+            self.copy_seconds += time.perf_counter() - started
+            yield on_device, metadata
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

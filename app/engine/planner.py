@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from sessions.cachefiles import ConversationCache
 
 READ_BANDWIDTH = "read_bytes_per_s"
+# What a raced restore's files, read into host memory, take to be in the cache on the
+# device (app/engine/restore_race.py).
+COPY_BANDWIDTH = "copy_bytes_per_s"
 # Below this many tokens the planner does not bother: restoring is always cheap.
 MEASURE_MIN_TOKENS = 64
 
@@ -66,6 +69,18 @@ class ReopenPlanner:
         """Blend a restore's read bandwidth into the estimate."""
         if bytes_read and seconds > 0:
             self.measurements.observe(READ_BANDWIDTH, bytes_read / seconds)
+
+    def knows_size(self, tokens: int) -> bool:
+        """Whether a prefill of about `tokens` tokens was measured: its rate is then
+        the estimate, not the rate of another size's."""
+        return prefill_size_class(tokens) in self._prefill_rates()
+
+    def copy_rate(self) -> float | None:
+        return self.measurements.get(COPY_BANDWIDTH)
+
+    def learn_copy(self, bytes_copied: int, seconds: float) -> None:
+        if bytes_copied and seconds > 0:
+            self.measurements.observe(COPY_BANDWIDTH, bytes_copied / seconds)
 
     def learn_prefill_rate(self, stats: TurnStats) -> None:
         """Blend a turn's prefill rate into the estimate for its size. (`bench reopen`

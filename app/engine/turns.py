@@ -36,6 +36,7 @@ class RestoreInfo:
     checkpoint: int | None = None  # the snapshot restored, counting from 1 (snapshots only)
     prompt_tokens: int = 0  # the turn's whole prompt, of which `tokens` were ready
     held_tokens: int = 0  # what memory held before the turn, of which it kept `tokens`
+    raced: bool = False  # read beside recomputing, the first in taken (restore_race.py)
 
     def to_stats(self) -> dict:
         return {
@@ -47,6 +48,7 @@ class RestoreInfo:
             "estimate_recompute_s": self.estimate_recompute_s,
             "cache_rejected": self.rejected,
             "restore_checkpoint": self.checkpoint,
+            "restore_raced": self.raced,
         }
 
 
@@ -63,8 +65,9 @@ class ReplyFinished:
 
     @property
     def ttft_s(self) -> float:
-        """What the user waited for the first token: the restore too."""
-        return self.restore.seconds + self.stats.ttft_s
+        """What the user waited for the first token: the restore too (a raced one is
+        within the turn's own time: it ran beside the prefill)."""
+        return (0.0 if self.restore.raced else self.restore.seconds) + self.stats.ttft_s
 
     def to_dict(self) -> dict:
         return {

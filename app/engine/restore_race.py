@@ -1,0 +1,177 @@
+"""Restoring beside recomputing, where the planner has not measured the size.
+
+On a GPU with memory of its own, recomputing a history can beat reading it back
+(a fast GPU, a slow disk), and which wins depends on the history's size: per
+token, a GPU prefills a long history several times faster than a short one. The
+planner (app/engine/planner.py) decides from rates measured at each size; at a
+size it has not measured it once guessed from the nearest and restored, 1.5x
+slower than recomputing (an H100, 4k tokens from the disk, 1k measured).
+
+There a turn does both at once: threads read and check the files in host memory
+(`HostRead`) while the main thread prefills the history. After each prefill step,
+`RestoreRace.take` compares when each would be done: the prefill at the rate it
+has gone so far; the restore when its read ends (at the rate it has read so far)
+or, if later, when the copy to the device that would start now ends (at the rate
+restores measured, else guessed as long as the read). When the restore is expected
+first, the prefill stops and the turn copies each file as it is read; when the
+prefill reaches the history's end first, the read is let go. Either way the cache
+holds the same tokens, the saved ones, and a file that fails its checks costs
+nothing: the prefill goes on from where it stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from app.engine.host_read import HostRead
+from app.engine.kvstore import KVStore, RestoreResult
+from app.engine.planner import MEASURE_MIN_TOKENS, ReopenPlanner
+from app.engine.stored_arrays import device_apart
+from app.engine.turns import RestoreInfo
+from sessions.cachefiles import ConversationCache
+
+
+def restore_is_sooner(
+    now: float,
+    started: float,
+    prefilled: int,
+    history: int,
+    read_end: float | None,
+    copy_s: float,
+) -> bool:
+    """Whether a restore whose read ends at `read_end`, its files copied from `now` on
+    as they are read (`copy_s` for them all), has the `history` tokens in sooner than
+    a prefill that has put in `prefilled` of them since `started`, going on at that
+    rate. No when nothing says yet when the read ends."""
+    if read_end is None or prefilled <= 0:
+        return False
+    prefill_end = now + (history - prefilled) * (now - started) / prefilled
+    return max(read_end, now + copy_s) < prefill_end
+
+
+@dataclass
+class RaceResult:
+    """How a race ended: `restored` where the turn took the restored cache (its read
+    took `read_s`, then its copy and join `copy_s`; it was in `ready_s` after the
+    race began), `rejected` where the read failed its checks."""
+
+    restored: RestoreResult | None = None
+    rejected: str | None = None
+    read_s: float = 0.0
+    copy_s: float = 0.0
+    ready_s: float = 0.0
+
+
+class RestoreRace:
+    """The restore of a history's first `history` tokens, read by `read`, raced
+    against the turn's prefill. `restore` builds the cache from the finished read
+    (`KVStore.restore_read`); `copy_rate`: bytes a second of that, as measured."""
+
+    def __init__(
+        self,
+        read: HostRead,
+        history: int,
+        restore: Callable[[HostRead], RestoreResult],
+        copy_rate: float | None,
+    ) -> None:
+        self.read, self.history, self.restore = read, history, restore
+        self.copy_rate = copy_rate
+        self.started = time.perf_counter()
+        self.result: RaceResult | None = None  # None while the race is on
+
+    def take(self, prefilled: int) -> RestoreResult | None:
+        """After a prefill step that has put the prompt's first `prefilled` tokens into
+        a cache begun with the race: the restored cache, when it is expected in before
+        the prefill has the history (this waits for the read's end); None to go on
+        prefilling (the race is then over once the prefill has the history)."""
+        if self.result is not None:
+            return None
+        if prefilled >= self.history:
+            self.cancel()
+            return None
+        if self.read.done() and self.read.rejected is not None:
+            self.result = RaceResult(rejected=self.read.rejected)
+            return None
+        now = time.perf_counter()
+        read_end = self.read.expected_end()
+        copy_s = self._copy_estimate(read_end)
+        if not restore_is_sooner(now, self.started, prefilled, self.history, read_end, copy_s):
+            return None
+        return self._switch()
+
+    def _copy_estimate(self, read_end: float | None) -> float:
+        if self.copy_rate:
+            return self.read.total_bytes / self.copy_rate
+        return read_end - self.read.started if read_end is not None else 0.0
+
+    def _switch(self) -> RestoreResult | None:
+        restored = self.restore(self.read)  # copies each file as it is read
+        if restored.cache is None:
+            self.result = RaceResult(rejected=restored.rejected, read_s=self.read.seconds)
+            return None
+        ready_s = time.perf_counter() - self.started
+        copy_s = restored.copy_s or restored.seconds  # (no device of its own: the join)
+        self.result = RaceResult(restored, None, self.read.seconds, copy_s, ready_s)
+        return restored
+
+    def cancel(self) -> None:
+        """The prefill won, or the turn ended: the read is let go."""
+        if self.result is None:
+            self.result = RaceResult()
+        self.read.cancel()
+
+
+class Races:
+    """An engine's raced restores: at most one at a time, its turn's (`current`)."""
+
+    def __init__(self, kvstore: KVStore, planner: ReopenPlanner) -> None:
+        self.kvstore, self.planner = kvstore, planner
+        # Whether turns race at all; None: where the GPU has memory of its own, the one
+        # place recomputing can win.
+        self.enabled: bool | None = None
+        self.current: RestoreRace | None = None
+        self.keys: list[str] = []  # the files the current race reads
+
+    def wanted(self, usable: int) -> bool:
+        """Whether a turn restoring `usable` tokens races: where racing is on and the
+        planner has measured no prefill of that size."""
+        on = self.enabled if self.enabled is not None else device_apart()
+        return on and usable >= MEASURE_MIN_TOKENS and not self.planner.knows_size(usable)
+
+    def start(self, entry: ConversationCache, usable: int) -> bool:
+        """Start reading `entry`'s first `usable` tokens, for the turn's prefill to race
+        (False where its files cannot be raced: a checkpoint's, or none left)."""
+        read = self.kvstore.read_on_host(entry, usable)
+        if read is None:
+            return False
+
+        def restore(done: HostRead) -> RestoreResult:
+            return self.kvstore.restore_read(entry, usable, done)
+
+        held = min(usable, read.reads.chunks[-1][2])  # fewer where a chunk was evicted
+        self.current = RestoreRace(read, held, restore, self.planner.copy_rate())
+        self.keys = list(entry.all_keys)
+        return True
+
+    def end(self, restore: RestoreInfo) -> RestoreInfo:
+        """The turn's `restore` as its race ended, if it raced (the read let go where it
+        is still on); what it measured is learned (a prefill let go measures nothing)."""
+        race, self.current = self.current, None
+        if race is None:
+            return restore
+        race.cancel()
+        result = race.result
+        if result.restored is None:
+            return replace(restore, rejected=result.rejected)
+        restored = result.restored
+        self.planner.learn_read(restored.bytes_read, result.read_s)
+        self.planner.learn_copy(restored.bytes_read, result.copy_s)
+        return replace(
+            restore,
+            source="disk",
+            seconds=result.ready_s,
+            bytes_read=restored.bytes_read,
+            tokens=len(restored.tokens),
+        )

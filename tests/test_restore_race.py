@@ -1,0 +1,153 @@
+"""A saved cache read beside recomputing it, the first in taken (app/engine/restore_race.py).
+
+Racing is on by default only where the GPU has memory of its own; these tests turn it
+on for the CPU path (`races.enabled`), on the starter model: its prefill steps are slow
+enough here that the order of the two is set by the test, not by the machine's load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from app.bench.reopen import build_history
+from app.engine.chat import ChatSession
+from app.engine.conversation import ConversationEngine, ReplyFinished, TurnOptions
+from app.engine.generation import KVSettings, SamplingSettings
+from app.engine.planner import COPY_BANDWIDTH
+from app.engine.restore_race import restore_is_sooner
+from app.engine.turns import RestoreInfo
+from sessions.cachefiles import path_from_url
+from sessions.db import open_db
+from sessions.measurements import Measurements
+
+OPTIONS = TurnOptions(sampling=SamplingSettings.greedy(12))
+HISTORY = 700  # two prefill steps of 512 tokens: the restore can be taken after the first
+
+
+def test_the_restore_is_taken_when_it_ends_before_the_prefill_would():
+    # 600 of 1,600 tokens in 1 s: the rest would take 1.67 s more. The files are copied
+    # as they are read, from now on: the restore ends with the later of the two.
+    assert restore_is_sooner(10.0, 9.0, 600, 1600, read_end=11.5, copy_s=0.5)
+    assert restore_is_sooner(10.0, 9.0, 600, 1600, read_end=10.2, copy_s=1.5)
+    assert not restore_is_sooner(10.0, 9.0, 600, 1600, read_end=10.2, copy_s=1.7)
+    assert not restore_is_sooner(10.0, 9.0, 600, 1600, read_end=11.8, copy_s=0.0)
+    # A read that has not read a file yet says nothing of when it ends.
+    assert not restore_is_sooner(10.0, 9.0, 600, 1600, read_end=None, copy_s=0.0)
+
+
+def save_chat(loaded, builder_db: Path, options: TurnOptions = OPTIONS) -> int:
+    """A chat of about `HISTORY` tokens, saved, by an engine whose prefill rates are kept
+    apart (in `builder_db`): the engines the tests make have measured no prefill of its
+    size."""
+    builder = ConversationEngine(open_db(), loaded)
+    builder.planner.measurements = Measurements(open_db(builder_db))
+    conversation = builder.store.create(loaded.name)
+    build_history(builder, conversation.id, HISTORY)
+    list(builder.send(conversation.id, "Summarise this.", options))
+    return conversation.id
+
+
+@pytest.fixture
+def saved_chat(starter_model, tmp_path) -> int:
+    return save_chat(starter_model, tmp_path / "builder.db")
+
+
+def reopened(loaded) -> ConversationEngine:
+    """A new engine, as after a restart, racing its restores."""
+    engine = ConversationEngine(open_db(), loaded)
+    engine.races.enabled = True
+    return engine
+
+
+def turn(
+    engine, conversation_id: int, text: str, wait_for_the_read=False, stop=None, options=OPTIONS
+):
+    """One turn's (first restore event, reply); `wait_for_the_read`: the race's read is
+    done before the prefill's first step ends, so the restore is in first."""
+    events = engine.send(conversation_id, text, options, should_stop=stop or (lambda: False))
+    first = next(events)
+    assert isinstance(first, RestoreInfo)
+    if wait_for_the_read:
+        engine.races.current.read.wait()
+    finished = next(e for e in events if isinstance(e, ReplyFinished))
+    list(events)  # the save
+    return first, finished
+
+
+def fresh_reply(loaded, engine, conversation_id: int, options=OPTIONS) -> str:
+    """The reply computed with no cache, from the prompt the turn had (its saved tokens
+    kept as they were)."""
+    messages = engine.store.get(conversation_id).chat_messages()[:-1]
+    session = ChatSession(loaded)
+    prompt = session.render(messages, known=engine.session.tokens)
+    *_, finished = session.generate(prompt, sampling=options.sampling, kv=options.kv)
+    return finished.text
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_a_restore_in_first_replaces_the_prefill_and_replies_the_same(
+    starter_model, tmp_path, bits
+):
+    options = replace(OPTIONS, kv=KVSettings(bits))
+    saved_chat = save_chat(starter_model, tmp_path / "builder.db", options)
+    engine = reopened(starter_model)
+    started, finished = turn(
+        engine, saved_chat, "And in one word?", wait_for_the_read=True, options=options
+    )
+    assert started.raced and started.source == "recompute"  # what the window hears first
+    restore = finished.restore
+    assert (restore.source, restore.raced, restore.rejected) == ("disk", True, None)
+    assert restore.tokens >= HISTORY - 20 and restore.bytes_read > 0
+    assert finished.stats.reused_tokens == restore.tokens  # only the new message prefilled
+    assert finished.text == fresh_reply(starter_model, engine, saved_chat, options)
+    # The copy's rate is measured for the next race; no prefill rate from a prefill let go.
+    assert engine.planner.copy_rate()
+    assert not engine.planner.knows_size(restore.tokens)
+
+
+def test_a_prefill_in_first_lets_the_read_go_and_teaches_the_planner(starter_model, saved_chat):
+    engine = reopened(starter_model)
+    engine.planner.measurements.observe(COPY_BANDWIDTH, 1.0)  # a copy that would take ages
+    _, finished = turn(engine, saved_chat, "And in one word?", wait_for_the_read=True)
+    restore = finished.restore
+    assert (restore.source, restore.raced, restore.rejected) == ("recompute", True, None)
+    assert finished.stats.reused_tokens == 0
+    # The size is measured now: the next reopen at it asks the planner, no race.
+    assert engine.planner.knows_size(len(engine.session.tokens))
+    started, again = turn(reopened(starter_model), saved_chat, "Thanks.")
+    assert not started.raced and again.restore.source == "disk"
+
+
+def test_a_damaged_file_costs_the_race_nothing(starter_model, saved_chat):
+    engine = reopened(starter_model)
+    key = engine.index.conversation(saved_chat).chunk_keys[1]
+    damaged = path_from_url(engine.index.chunk(key)["url"])
+    data = bytearray(damaged.read_bytes())
+    data[-5] ^= 0xFF  # a byte of the tensors: the checksum finds it
+    damaged.write_bytes(bytes(data))
+    _, finished = turn(engine, saved_chat, "And in one word?", wait_for_the_read=True)
+    restore = finished.restore
+    assert restore.source == "recompute" and restore.raced
+    assert "checksum" in restore.rejected
+    assert finished.text == fresh_reply(starter_model, engine, saved_chat)
+
+
+def test_stop_during_a_race_stops_it_and_the_chat_goes_on(starter_model, saved_chat):
+    engine = reopened(starter_model)
+    _, stopped = turn(engine, saved_chat, "And in one word?", stop=lambda: True)
+    assert stopped.stats.finish_reason == "cancelled" and stopped.text == ""
+    assert engine.races.current is None and not stopped.restore.rejected
+    # The next turn goes on from the steps prefilled before the stop.
+    _, finished = turn(engine, saved_chat, "And in one word?")
+    assert finished.restore.source == "memory" and finished.stats.reused_tokens > 0
+    assert finished.text == fresh_reply(starter_model, engine, saved_chat)
+
+
+def test_without_racing_a_reopen_restores_as_before(starter_model, saved_chat):
+    engine = ConversationEngine(open_db(), starter_model)  # the CPU path: no race
+    started, finished = turn(engine, saved_chat, "And in one word?")
+    assert not started.raced and started.source == "disk"
+    assert finished.restore.source == "disk" and not finished.restore.raced
