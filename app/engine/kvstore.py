@@ -14,7 +14,9 @@ chunks and the rest in a checkpoint per turn (`app.engine.checkpoints`).
 Restoring reads the chunks a prompt can use, has each checked by its layers'
 codecs (app.engine.codecs), joins them once (app.engine.chunkjoin) and trims to
 the usable prefix. Where the GPU has memory of its own, threads read and check
-the next files while the last one is copied to the device (`_read_files`).
+the next files while the last one is copied to the device (`_read_files`). A
+restore raced against recomputing (app/engine/restore_race.py) takes the same
+steps (`chunk_reads`, `on_device`, `join`), its files read on threads of its own.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from app.engine.codecs import (
     stored_dtype,
     stored_format,
 )
-from app.engine.host_read import ChunkReads, HostRead
+from app.engine.host_read import ChunkReads
 from app.engine.kvquant import MixedKVCache
 from app.engine.loading import LoadedModel
 from app.engine.stored_arrays import device_apart, read_in_threads, to_device
@@ -62,7 +64,7 @@ from sessions.cachefiles import (
 # Chunk files read at once ahead of the one being copied to the GPU: a few reads in
 # flight keep a fast disk busy; each holds one chunk in host memory (~30 MB at 256
 # tokens of an 8B model).
-_READ_AHEAD = 4
+READ_AHEAD = 4
 
 
 @dataclass(frozen=True)
@@ -309,7 +311,7 @@ class KVStore:
         (`ConversationEngine._stamp_restored`, or its save), a prefetch at once."""
         started, self.copy_seconds = time.perf_counter(), 0.0
         try:
-            self._check_model(entry)
+            self.check_model(entry)
             checkpoint = None
             if entry.checkpoint_keys:
                 cache, restored, size, checkpoint = checkpoints.restore(self, entry, usable)
@@ -321,35 +323,13 @@ class KVStore:
         tokens = entry.tokens[:restored]
         return RestoreResult(cache, tokens, seconds, size, None, checkpoint, self.copy_seconds)
 
-    def read_on_host(self, entry: ConversationCache, usable: int) -> HostRead | None:
-        """Start reading and checking the chunk files of `entry`'s first `usable` tokens
-        into host memory, on threads of their own, for `restore_read` to take later:
-        what a restore raced against recomputing reads (`restore_race`). None where
-        the cache is not in chunks alone (a checkpoint's layers restore as before) or
-        cannot be restored."""
-        if entry.checkpoint_keys or None in self._shapes or usable <= 0:
-            return None
-        try:
-            self._check_model(entry)
-            reads = self._chunk_reads(entry, usable)
-        except CacheRejected:
-            return None
-        return HostRead(reads, _READ_AHEAD) if reads.chunks else None
+    @property
+    def chunked(self) -> bool:
+        """Whether every layer of this model's cache is saved in chunks (none in a
+        checkpoint: sliding windows, recurrent state)."""
+        return None not in self._shapes
 
-    def restore_read(self, entry: ConversationCache, usable: int, read: HostRead) -> RestoreResult:
-        """`restore`, from the files `read` holds in host memory (`read_on_host`, done):
-        their tensors copied to the device and joined."""
-        started, self.copy_seconds = time.perf_counter(), 0.0
-        try:
-            cache, restored, size = self._join(read.reads, self._on_device(read.files()), usable)
-            if None in cache:
-                raise CacheRejected("the chunks do not hold every layer")
-        except CacheRejected as exc:
-            return RestoreResult(None, [], time.perf_counter() - started, rejected=exc.reason)
-        seconds, tokens = time.perf_counter() - started, entry.tokens[:restored]
-        return RestoreResult(cache, tokens, seconds, size, copy_s=self.copy_seconds)
-
-    def _check_model(self, entry: ConversationCache) -> None:
+    def check_model(self, entry: ConversationCache) -> None:
         if entry.model_fingerprint != self.fingerprint:
             raise CacheRejected("saved for a different model")
 
@@ -367,11 +347,11 @@ class KVStore:
         """The layers `entry`'s chunks hold (None where they hold none) for its first
         `usable` tokens, or fewer where a chunk was evicted; (layers, their token
         count, bytes read). Each chunk is checked by its layers' codecs."""
-        reads = self._chunk_reads(entry, usable)
+        reads = self.chunk_reads(entry, usable)
         with closing(self._read_files(reads.paths, reads.expected)) as files:
-            return self._join(reads, files, usable)
+            return self.join(reads, files, usable)
 
-    def _chunk_reads(self, entry: ConversationCache, usable: int) -> ChunkReads:
+    def chunk_reads(self, entry: ConversationCache, usable: int) -> ChunkReads:
         """The chunks a restore of `entry`'s first `usable` tokens reads (from the
         index: the main thread's), and what each file must say of itself."""
         chunks = [chunk for chunk in self._saved_rows(entry) if chunk[1] < usable]
@@ -385,7 +365,7 @@ class KVStore:
             expected.append(manifest.expected())
         return ChunkReads(entry.kv_format, chunks, paths, expected)
 
-    def _join(
+    def join(
         self, reads: ChunkReads, files: Iterable[tuple[dict, dict]], usable: int
     ) -> tuple[list, int, int]:
         """The chunks' layers from their files' (tensors, metadata), in order."""
@@ -412,9 +392,9 @@ class KVStore:
                 yield read_file(path, wanted)
             return
         calls = list(zip(paths, expected, strict=True))
-        yield from self._on_device(read_in_threads(read_file, calls, _READ_AHEAD))
+        yield from self.on_device(read_in_threads(read_file, calls, READ_AHEAD))
 
-    def _on_device(self, files: Iterable[tuple[dict, dict]]) -> Iterator[tuple[dict, dict]]:
+    def on_device(self, files: Iterable[tuple[dict, dict]]) -> Iterator[tuple[dict, dict]]:
         """Files read into host memory, their tensors copied to the device where it has
         memory of its own (elsewhere the join copies them into the layers' buffers);
         the copies' time is added up (`copy_seconds`) for the planner."""

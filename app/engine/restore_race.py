@@ -26,11 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from app.engine.host_read import HostRead
-from app.engine.kvstore import KVStore, RestoreResult
+from app.engine.kvstore import READ_AHEAD, KVStore, RestoreResult
 from app.engine.planner import MEASURE_MIN_TOKENS, ReopenPlanner
 from app.engine.stored_arrays import device_apart
 from app.engine.turns import RestoreInfo
-from sessions.cachefiles import ConversationCache
+from sessions.cachefiles import CacheRejected, ConversationCache
 
 
 def restore_is_sooner(
@@ -143,17 +143,45 @@ class Races:
     def start(self, entry: ConversationCache, usable: int) -> bool:
         """Start reading `entry`'s first `usable` tokens, for the turn's prefill to race
         (False where its files cannot be raced: a checkpoint's, or none left)."""
-        read = self.kvstore.read_on_host(entry, usable)
+        read = self._read_on_host(entry, usable)
         if read is None:
             return False
 
         def restore(done: HostRead) -> RestoreResult:
-            return self.kvstore.restore_read(entry, usable, done)
+            return self._restore_read(entry, usable, done)
 
         held = min(usable, read.reads.chunks[-1][2])  # fewer where a chunk was evicted
         self.current = RestoreRace(read, held, restore, self.planner.copy_rate())
         self.keys = list(entry.all_keys)
         return True
+
+    def _read_on_host(self, entry: ConversationCache, usable: int) -> HostRead | None:
+        """Start reading and checking the chunk files of `entry`'s first `usable` tokens
+        into host memory, on threads of their own. None where the cache is not in
+        chunks alone (a checkpoint's layers restore as before) or cannot be restored."""
+        store = self.kvstore
+        if entry.checkpoint_keys or not store.chunked or usable <= 0:
+            return None
+        try:
+            store.check_model(entry)
+            reads = store.chunk_reads(entry, usable)
+        except CacheRejected:
+            return None
+        return HostRead(reads, READ_AHEAD) if reads.chunks else None
+
+    def _restore_read(self, entry: ConversationCache, usable: int, read: HostRead) -> RestoreResult:
+        """`KVStore.restore`, from the files `read` reads into host memory: each copied
+        to the device (where it has memory of its own) and joined as soon as it is in."""
+        store = self.kvstore
+        started, store.copy_seconds = time.perf_counter(), 0.0
+        try:
+            cache, restored, size = store.join(read.reads, store.on_device(read.files()), usable)
+            if None in cache:
+                raise CacheRejected("the chunks do not hold every layer")
+        except CacheRejected as exc:
+            return RestoreResult(None, [], time.perf_counter() - started, rejected=exc.reason)
+        seconds, tokens = time.perf_counter() - started, entry.tokens[:restored]
+        return RestoreResult(cache, tokens, seconds, size, copy_s=store.copy_seconds)
 
     def end(self, restore: RestoreInfo) -> RestoreInfo:
         """The turn's `restore` as its race ended, if it raced (the read let go where it
