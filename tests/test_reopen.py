@@ -58,8 +58,7 @@ def test_a_conversation_reopened_in_a_new_process_resumes_from_disk(
     conversation = str(first["conversation_id"])
     assert first["restore_source"] == "recompute"
     second = chat(starter_model_dir, conversation, "What about Germany?")
-    third = chat(starter_model_dir, conversation, "Which of the two cities is larger?")
-    assert second["restore_source"] == third["restore_source"] == "disk"
+    assert second["restore_source"] == "disk"
 
     saved = CacheIndex(open_db()).conversation(int(conversation)).tokens
     fourth = chat(starter_model_dir, conversation, "Name a river in one of them.")

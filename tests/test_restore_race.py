@@ -23,17 +23,18 @@ from sessions.cachefiles import path_from_url
 from sessions.db import open_db
 from sessions.measurements import Measurements
 
-OPTIONS = TurnOptions(sampling=SamplingSettings.greedy(12))
+OPTIONS = TurnOptions(sampling=SamplingSettings.greedy(5))
 HISTORY = 700  # two prefill steps of 512 tokens: the restore can be taken after the first
 
 
 def test_the_restore_is_taken_when_it_ends_before_the_prefill_would():
     # 600 of 1,600 tokens in 1 s: the rest would take 1.67 s more. The files are copied
-    # as they are read, from now on: the restore ends with the later of the two.
-    assert restore_is_sooner(10.0, 9.0, 600, 1600, read_end=11.5, copy_s=0.5)
-    assert restore_is_sooner(10.0, 9.0, 600, 1600, read_end=10.2, copy_s=1.5)
-    assert not restore_is_sooner(10.0, 9.0, 600, 1600, read_end=10.2, copy_s=1.7)
-    assert not restore_is_sooner(10.0, 9.0, 600, 1600, read_end=11.8, copy_s=0.0)
+    # as they are read, from now on: the restore ends with the later of the two, and
+    # must be expected sooner by a margin (a read's rate is not steady).
+    assert restore_is_sooner(10.0, 9.0, 600, 1600, read_end=11.2, copy_s=0.5)
+    assert restore_is_sooner(10.0, 9.0, 600, 1600, read_end=10.2, copy_s=1.4)
+    assert not restore_is_sooner(10.0, 9.0, 600, 1600, read_end=10.2, copy_s=1.5)
+    assert not restore_is_sooner(10.0, 9.0, 600, 1600, read_end=11.5, copy_s=0.0)
     # A read that has not read a file yet says nothing of when it ends.
     assert not restore_is_sooner(10.0, 9.0, 600, 1600, read_end=None, copy_s=0.0)
 
@@ -146,8 +147,9 @@ def test_stop_during_a_race_stops_it_and_the_chat_goes_on(starter_model, saved_c
     assert finished.text == fresh_reply(starter_model, engine, saved_chat)
 
 
-def test_without_racing_a_reopen_restores_as_before(starter_model, saved_chat):
-    engine = ConversationEngine(open_db(), starter_model)  # the CPU path: no race
-    started, finished = turn(engine, saved_chat, "And in one word?")
-    assert not started.raced and started.source == "disk"
-    assert finished.restore.source == "disk" and not finished.restore.raced
+def test_races_are_off_where_the_gpu_shares_the_hosts_memory(starter_model):
+    """The CPU path (and a Mac's): restoring wins by 100x, nothing to race."""
+    engine = ConversationEngine(open_db(), starter_model)
+    assert not engine.races.wanted(HISTORY)
+    engine.races.enabled = True
+    assert engine.races.wanted(HISTORY)

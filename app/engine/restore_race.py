@@ -32,6 +32,11 @@ from app.engine.stored_arrays import device_apart
 from app.engine.turns import RestoreInfo
 from sessions.cachefiles import CacheRejected, ConversationCache
 
+# How much sooner the restore must be expected, as a share of the time it has left:
+# the prefill's rate is steady, a read's is not (an H200's disk read the first files
+# of a 16k-token cache faster than the rest; a switch on that was 1.48x late).
+SURE = 0.15
+
 
 def restore_is_sooner(
     now: float,
@@ -42,13 +47,14 @@ def restore_is_sooner(
     copy_s: float,
 ) -> bool:
     """Whether a restore whose read ends at `read_end`, its files copied from `now` on
-    as they are read (`copy_s` for them all), has the `history` tokens in sooner than
-    a prefill that has put in `prefilled` of them since `started`, going on at that
-    rate. No when nothing says yet when the read ends."""
+    as they are read (`copy_s` for them all), has the `history` tokens in surely
+    (`SURE`) sooner than a prefill that has put in `prefilled` of them since
+    `started`, going on at that rate. No when nothing says yet when the read ends."""
     if read_end is None or prefilled <= 0:
         return False
-    prefill_end = now + (history - prefilled) * (now - started) / prefilled
-    return max(read_end, now + copy_s) < prefill_end
+    prefill_left = (history - prefilled) * (now - started) / prefilled
+    restore_left = max(read_end - now, copy_s)
+    return restore_left * (1 + SURE) < prefill_left
 
 
 @dataclass
@@ -80,6 +86,10 @@ class RestoreRace:
         self.copy_rate = copy_rate
         self.started = time.perf_counter()
         self.result: RaceResult | None = None  # None while the race is on
+        # Each decision's (seconds since the start, tokens prefilled, bytes read, the
+        # read's expected end, the copy's estimate, the prefill's expected end), for
+        # `bench reopen` to show how a race went.
+        self.trace: list[tuple] = []
 
     def take(self, prefilled: int) -> RestoreResult | None:
         """After a prefill step that has put the prompt's first `prefilled` tokens into
@@ -97,9 +107,18 @@ class RestoreRace:
         now = time.perf_counter()
         read_end = self.read.expected_end()
         copy_s = self._copy_estimate(read_end)
+        self._note(now, prefilled, read_end, copy_s)
         if not restore_is_sooner(now, self.started, prefilled, self.history, read_end, copy_s):
             return None
         return self._switch()
+
+    def _note(self, now: float, prefilled: int, read_end: float | None, copy_s: float) -> None:
+        since = self.started
+        prefill_end = now + (self.history - prefilled) * (now - since) / prefilled
+        read_s = read_end - since if read_end is not None else None
+        self.trace.append(
+            (now - since, prefilled, self.read.bytes_done, read_s, copy_s, prefill_end - since)
+        )
 
     def _copy_estimate(self, read_end: float | None) -> float:
         if self.copy_rate:
@@ -132,6 +151,7 @@ class Races:
         # place recomputing can win.
         self.enabled: bool | None = None
         self.current: RestoreRace | None = None
+        self.last: RestoreRace | None = None  # the last race that ended, for the bench
         self.keys: list[str] = []  # the files the current race reads
 
     def wanted(self, usable: int) -> bool:
@@ -189,6 +209,7 @@ class Races:
         race, self.current = self.current, None
         if race is None:
             return restore
+        self.last = race
         race.cancel()
         result = race.result
         if result.restored is None:
