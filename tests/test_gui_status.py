@@ -3,12 +3,16 @@ start, and messages that fit (Qt offscreen, the real starter model)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gui_window import (
     READY_MS,
     prefer,
     send,
 )
 
+from app.engine.generation import TurnStats
+from app.engine.turns import ReplyFinished, RestoreInfo
 from app.ui.turn_status import TurnStatus, live_text
 
 
@@ -133,6 +137,24 @@ def test_a_long_status_message_ends_with_an_ellipsis_beside_whole_figures(qtbot)
     assert status.message.text() == long and status.message.toolTip() == long
     status.say("Stopped")
     assert status.message.shown_text() == "Stopped"
+
+
+def test_a_raced_turn_says_at_its_end_which_way_the_chat_came_back(qtbot):
+    """A restore raced against rereading (app/engine/restore_race.py) starts as a reread;
+    the bar says which got the chat in first once the reply is in."""
+    from PySide6.QtWidgets import QMainWindow
+
+    window = QMainWindow()
+    qtbot.addWidget(window)
+    status = TurnStatus(window.statusBar())
+    racing = RestoreInfo(raced=True, prompt_tokens=720)
+    status.on_restored(racing, first_turn=False)
+    assert status.message.text() == "Reading the conversation from the start"
+    restored = replace(racing, source="disk", tokens=700, seconds=0.2)
+    status.on_finished(ReplyFinished("Paris.", TurnStats(finish_reason="stop"), restored, 1, 2))
+    assert status.message.text() == "Resumed from saved cache: 700 tokens in 0.20 s"
+    status.on_finished(ReplyFinished("Paris.", TurnStats(finish_reason="stop"), racing, 1, 3))
+    assert status.message.text() == "Read the conversation from the start"
 
 
 def test_the_live_count_says_one_token_not_one_tokens():

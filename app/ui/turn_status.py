@@ -272,6 +272,9 @@ class TurnStatus(QObject):
         self.stats.setToolTip(f"KV cache as stored in memory: {reply.stats.kv_format}")
         if reply.stats.finish_reason == "cancelled":
             self.message.setText("Stopped")
+        elif reply.restore.raced:  # which of the two got the chat in first is known now
+            info = reply.restore
+            self.message.setText(restore_text(info.source, info.tokens, info.seconds, read=True))
 
     def on_saved(self, saved: CacheSaved) -> None:
         if saved.error:
