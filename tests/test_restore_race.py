@@ -141,6 +141,9 @@ def test_stop_during_a_race_stops_it_and_the_chat_goes_on(starter_model, saved_c
     _, stopped = turn(engine, saved_chat, "And in one word?", stop=lambda: True)
     assert stopped.stats.finish_reason == "cancelled" and stopped.text == ""
     assert engine.races.current is None and not stopped.restore.rejected
+    # A stopped prefill teaches no rate (its tokens counted were not all fed): the size
+    # is still raced.
+    assert not engine.planner.knows_size(stopped.stats.prompt_tokens)
     # The next turn goes on from the steps prefilled before the stop.
     _, finished = turn(engine, saved_chat, "And in one word?")
     assert finished.restore.source == "memory" and finished.stats.reused_tokens > 0

@@ -243,15 +243,15 @@ def measure_planned(
     events = list(engine.edit(user_message_id, "And in one word?", options))
     finished = events[-2]
     source = finished.restore.source
-    race = engine.races.last if finished.restore.raced else None
+    trace = engine.races.last_trace if finished.restore.raced else None
     return {
-        "planner_choice": ("race, " if race else "")
+        "planner_choice": ("race, " if finished.restore.raced else "")
         + ("restore" if source == "disk" else "recompute"),
         "ttft_planned_s": finished.ttft_s,
         # per decision: seconds in, tokens prefilled, bytes read, read's expected end,
         # copy's estimate, prefill's expected end
-        "race_trace": [[round(x, 4) if isinstance(x, float) else x for x in t] for t in race.trace]
-        if race
+        "race_trace": [[round(x, 4) if isinstance(x, float) else x for x in t] for t in trace]
+        if trace
         else None,
     }
 

@@ -261,6 +261,8 @@ class ChatSession:
         Where `race` has the history restored first, its cache replaces the one being
         prefilled, which goes on from the restore's end."""
         counted_from, total = turn.reused, len(turn.prompt) - turn.reused
+        if race is not None:
+            race.prefill_starts()
         while turn.reused < end:
             restored = None
             todo = turn.prompt[turn.reused : end]

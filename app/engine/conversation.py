@@ -247,7 +247,8 @@ class ConversationEngine:
                     )
                     state = "cancelled" if event.stats.finish_reason == "cancelled" else "complete"
                     writer.finish(state, event.to_dict(), text)
-                    if not (restore.raced and restore.source == "disk"):  # a prefill let go
+                    if state == "complete" and not (restore.raced and restore.source == "disk"):
+                        # (a stopped turn's prefill, or one let go, counts tokens not fed)
                         self.planner.learn_prefill_rate(event.stats)
                 yield event
         except BaseException:

@@ -68,8 +68,9 @@ class HostRead:
                         self._changed.notify_all()
         except (CacheRejected, OSError) as exc:
             self.rejected = exc.reason if isinstance(exc, CacheRejected) else str(exc)
-        except BaseException as exc:  # a bug: raised on the main thread, in `files`
+        except Exception as exc:  # a bug: the race lets the read go (its reason says it)
             self._failure = exc
+            self.rejected = f"the read failed ({type(exc).__name__}: {exc})"
         finally:
             with self._changed:
                 self.seconds = time.perf_counter() - self.started

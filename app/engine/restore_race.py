@@ -21,6 +21,7 @@ nothing: the prefill goes on from where it stopped.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -84,9 +85,14 @@ class RestoreRace:
     ) -> None:
         self.read, self.history, self.restore = read, history, restore
         self.copy_rate = copy_rate
-        self.started = time.perf_counter()
+        self.created = time.perf_counter()
+        # The prefill's rate is timed from its first step, not from the race's start:
+        # what comes between (the user's message stored, an SQLite commit that waits
+        # behind the read on a busy disk: 70-80 ms on an H100) would be taken for
+        # prefill time and multiplied by the steps still to come.
+        self.prefill_started: float | None = None
         self.result: RaceResult | None = None  # None while the race is on
-        # Each decision's (seconds since the start, tokens prefilled, bytes read, the
+        # Each decision's (seconds since the race began, tokens prefilled, bytes read, the
         # read's expected end, the copy's estimate, the prefill's expected end), for
         # `bench reopen` to show how a race went.
         self.trace: list[tuple] = []
@@ -102,22 +108,28 @@ class RestoreRace:
             self.cancel()
             return None
         if self.read.done() and self.read.rejected is not None:
-            self.result = RaceResult(rejected=self.read.rejected)
+            self.result = RaceResult(rejected=self.read.rejected)  # the prefill goes on
             return None
         now = time.perf_counter()
+        since = self.prefill_started or self.created
         read_end = self.read.expected_end()
         copy_s = self._copy_estimate(read_end)
-        self._note(now, prefilled, read_end, copy_s)
-        if not restore_is_sooner(now, self.started, prefilled, self.history, read_end, copy_s):
+        self._note(now, since, prefilled, read_end, copy_s)
+        if not restore_is_sooner(now, since, prefilled, self.history, read_end, copy_s):
             return None
         return self._switch()
 
-    def _note(self, now: float, prefilled: int, read_end: float | None, copy_s: float) -> None:
-        since = self.started
+    def prefill_starts(self) -> None:
+        self.prefill_started = time.perf_counter()
+
+    def _note(
+        self, now: float, since: float, prefilled: int, read_end: float | None, copy_s: float
+    ) -> None:
         prefill_end = now + (self.history - prefilled) * (now - since) / prefilled
-        read_s = read_end - since if read_end is not None else None
+        start = self.created
+        read_s = read_end - start if read_end is not None else None
         self.trace.append(
-            (now - since, prefilled, self.read.bytes_done, read_s, copy_s, prefill_end - since)
+            (now - start, prefilled, self.read.bytes_done, read_s, copy_s, prefill_end - start)
         )
 
     def _copy_estimate(self, read_end: float | None) -> float:
@@ -130,7 +142,7 @@ class RestoreRace:
         if restored.cache is None:
             self.result = RaceResult(rejected=restored.rejected, read_s=self.read.seconds)
             return None
-        ready_s = time.perf_counter() - self.started
+        ready_s = time.perf_counter() - self.created
         copy_s = restored.copy_s or restored.seconds  # (no device of its own: the join)
         self.result = RaceResult(restored, None, self.read.seconds, copy_s, ready_s)
         return restored
@@ -142,6 +154,14 @@ class RestoreRace:
         self.read.cancel()
 
 
+def host_memory_free() -> int | None:
+    """Bytes of host memory free now (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 class Races:
     """An engine's raced restores: at most one at a time, its turn's (`current`)."""
 
@@ -151,7 +171,7 @@ class Races:
         # place recomputing can win.
         self.enabled: bool | None = None
         self.current: RestoreRace | None = None
-        self.last: RestoreRace | None = None  # the last race that ended, for the bench
+        self.last_trace: list[tuple] = []  # the decisions of the last race, for the bench
         self.keys: list[str] = []  # the files the current race reads
 
     def wanted(self, usable: int) -> bool:
@@ -187,7 +207,10 @@ class Races:
             reads = store.chunk_reads(entry, usable)
         except CacheRejected:
             return None
-        return HostRead(reads, READ_AHEAD) if reads.chunks else None
+        room = host_memory_free()
+        if not reads.chunks or (room is not None and reads.total_bytes > room // 2):
+            return None  # the read holds the files in host memory until the switch
+        return HostRead(reads, READ_AHEAD)
 
     def _restore_read(self, entry: ConversationCache, usable: int, read: HostRead) -> RestoreResult:
         """`KVStore.restore`, from the files `read` reads into host memory: each copied
@@ -209,13 +232,14 @@ class Races:
         race, self.current = self.current, None
         if race is None:
             return restore
-        self.last = race
+        self.last_trace = race.trace  # (not the race: its result holds the chat's cache)
         race.cancel()
         result = race.result
         if result.restored is None:
             return replace(restore, rejected=result.rejected)
         restored = result.restored
-        self.planner.learn_read(restored.bytes_read, result.read_s)
+        # (Not the read's bandwidth: a restore's is learned as read, copy and join in
+        # all, and a race's read ran beside a prefill.)
         self.planner.learn_copy(restored.bytes_read, result.copy_s)
         return replace(
             restore,
