@@ -24,7 +24,7 @@ REPRISE = str(Path(sys.executable).with_name("reprise"))
 ROOT = Path(__file__).parents[1]
 
 
-def chat(model_dir, conversation, message, max_tokens=40) -> dict:
+def chat(model_dir, conversation, message, max_tokens=16) -> dict:
     done = subprocess.run(
         [
             REPRISE,
@@ -73,7 +73,7 @@ def test_a_conversation_reopened_in_a_new_process_resumes_from_disk(
 
     # The greedy reply after reopening equals the one computed with no cache.
     messages = ConversationStore(open_db()).get(int(conversation)).chat_messages()[:-1]
-    *_, fresh = ChatSession(starter_model).reply(messages, sampling=SamplingSettings.greedy(40))
+    *_, fresh = ChatSession(starter_model).reply(messages, sampling=SamplingSettings.greedy(16))
     assert fourth["reply"] == fresh.text
 
     assert (
