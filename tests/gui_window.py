@@ -44,7 +44,7 @@ def prefer(window, **changes):
     window.ask_to_save(replace(window.preferences(), **changes))
 
 
-def send(qtbot, window, text, greedy_tokens=40):
+def send(qtbot, window, text, greedy_tokens=16):
     prefer(window, temperature=0.0, max_tokens=greedy_tokens)
     window.composer.edit.setPlainText(text)
     window.composer.edit.submitted.emit()  # what Enter does
