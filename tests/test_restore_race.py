@@ -150,6 +150,25 @@ def test_stop_during_a_race_stops_it_and_the_chat_goes_on(starter_model, saved_c
     assert finished.text == fresh_reply(starter_model, engine, saved_chat)
 
 
+def test_stop_during_a_switch_lets_the_restore_go(starter_model, saved_chat):
+    """A slow disk after a wrong guess would hold Stop until the read's end: the restore
+    hears it between files."""
+    asked = []
+
+    def stop_once_switching() -> bool:  # the first ask comes after the first step
+        asked.append(True)
+        return len(asked) > 1
+
+    engine = reopened(starter_model)
+    _, stopped = turn(
+        engine, saved_chat, "And in one word?", wait_for_the_read=True, stop=stop_once_switching
+    )
+    assert stopped.stats.finish_reason == "cancelled"
+    assert (stopped.restore.source, stopped.restore.rejected) == ("recompute", "stopped")
+    _, finished = turn(engine, saved_chat, "And in one word?")
+    assert finished.text == fresh_reply(starter_model, engine, saved_chat)
+
+
 def test_races_are_off_where_the_gpu_shares_the_hosts_memory(starter_model):
     """The CPU path (and a Mac's): restoring wins by 100x, nothing to race."""
     engine = ConversationEngine(open_db(), starter_model)

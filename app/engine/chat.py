@@ -225,7 +225,7 @@ class ChatSession:
                 tail = len(prompt) - checkpoint.tokens  # the generation prompt
             else:
                 checkpoint = None
-            steps = self._prefill(turn, len(prompt) - tail, quantize, kv, race)
+            steps = self._prefill(turn, len(prompt) - tail, quantize, kv, race, should_stop)
             for progress in steps:
                 yield progress
                 if should_stop():
@@ -255,6 +255,7 @@ class ChatSession:
         quantize: Quantize,
         kv: KVSettings,
         race: RestoreRace | None,
+        should_stop: Callable[[], bool],
     ) -> Iterator[PromptProgress]:
         """Prefill the turn's prompt up to token `end` in steps, yielding the progress
         after each (closing it between steps leaves the cache holding whole steps).
@@ -269,7 +270,9 @@ class ChatSession:
             for done in prefill(self.loaded.model, self.cache, todo, quantize):
                 self.tokens = list(turn.prompt[: turn.reused + done])
                 yield PromptProgress(len(self.tokens) - counted_from, total)
-                if race is not None and (restored := race.take(len(self.tokens))) is not None:
+                if race is None:
+                    continue
+                if (restored := race.take(len(self.tokens), should_stop)) is not None:
                     break
             if restored is None:
                 break

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from app.engine.host_read import HostRead
@@ -80,7 +80,7 @@ class RestoreRace:
         self,
         read: HostRead,
         history: int,
-        restore: Callable[[HostRead], RestoreResult],
+        restore: Callable[[HostRead, Callable[[], bool]], RestoreResult],
         copy_rate: float | None,
     ) -> None:
         self.read, self.history, self.restore = read, history, restore
@@ -97,11 +97,14 @@ class RestoreRace:
         # `bench reopen` to show how a race went.
         self.trace: list[tuple] = []
 
-    def take(self, prefilled: int) -> RestoreResult | None:
+    def take(
+        self, prefilled: int, should_stop: Callable[[], bool] = lambda: False
+    ) -> RestoreResult | None:
         """After a prefill step that has put the prompt's first `prefilled` tokens into
         a cache begun with the race: the restored cache, when it is expected in before
-        the prefill has the history (this waits for the read's end); None to go on
-        prefilling (the race is then over once the prefill has the history)."""
+        the prefill has the history (this copies each file as it is read, and lets the
+        restore go at Stop); None to go on prefilling (the race is then over once the
+        prefill has the history)."""
         if self.result is not None:
             return None
         if prefilled >= self.history:
@@ -117,7 +120,7 @@ class RestoreRace:
         self._note(now, since, prefilled, read_end, copy_s)
         if not restore_is_sooner(now, since, prefilled, self.history, read_end, copy_s):
             return None
-        return self._switch()
+        return self._switch(should_stop)
 
     def prefill_starts(self) -> None:
         self.prefill_started = time.perf_counter()
@@ -137,8 +140,8 @@ class RestoreRace:
             return self.read.total_bytes / self.copy_rate
         return read_end - self.read.started if read_end is not None else 0.0
 
-    def _switch(self) -> RestoreResult | None:
-        restored = self.restore(self.read)  # copies each file as it is read
+    def _switch(self, should_stop: Callable[[], bool]) -> RestoreResult | None:
+        restored = self.restore(self.read, should_stop)  # copies each file as it is read
         if restored.cache is None:
             self.result = RaceResult(rejected=restored.rejected, read_s=self.read.seconds)
             return None
@@ -152,6 +155,15 @@ class RestoreRace:
         if self.result is None:
             self.result = RaceResult()
         self.read.cancel()
+
+
+def _until_stopped(
+    files: Iterator[tuple[dict, dict]], should_stop: Callable[[], bool]
+) -> Iterator[tuple[dict, dict]]:
+    for file in files:
+        if should_stop():
+            raise CacheRejected("stopped")
+        yield file
 
 
 def host_memory_free() -> int | None:
@@ -187,8 +199,8 @@ class Races:
         if read is None:
             return False
 
-        def restore(done: HostRead) -> RestoreResult:
-            return self._restore_read(entry, usable, done)
+        def restore(done: HostRead, should_stop: Callable[[], bool]) -> RestoreResult:
+            return self._restore_read(entry, usable, done, should_stop)
 
         held = min(usable, read.reads.chunks[-1][2])  # fewer where a chunk was evicted
         self.current = RestoreRace(read, held, restore, self.planner.copy_rate())
@@ -212,13 +224,21 @@ class Races:
             return None  # the read holds the files in host memory until the switch
         return HostRead(reads, READ_AHEAD)
 
-    def _restore_read(self, entry: ConversationCache, usable: int, read: HostRead) -> RestoreResult:
+    def _restore_read(
+        self,
+        entry: ConversationCache,
+        usable: int,
+        read: HostRead,
+        should_stop: Callable[[], bool],
+    ) -> RestoreResult:
         """`KVStore.restore`, from the files `read` reads into host memory: each copied
-        to the device (where it has memory of its own) and joined as soon as it is in."""
+        to the device (where it has memory of its own) and joined as soon as it is in;
+        let go at Stop (a slow disk would otherwise hold it until the read's end)."""
         store = self.kvstore
         started, store.copy_seconds = time.perf_counter(), 0.0
         try:
-            cache, restored, size = store.join(read.reads, store.on_device(read.files()), usable)
+            files = _until_stopped(read.files(), should_stop)
+            cache, restored, size = store.join(read.reads, store.on_device(files), usable)
             if None in cache:
                 raise CacheRejected("the chunks do not hold every layer")
         except CacheRejected as exc:
