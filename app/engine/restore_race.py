@@ -53,20 +53,24 @@ def restore_is_sooner(
     `started`, going on at that rate. No when nothing says yet when the read ends."""
     if read_end is None or prefilled <= 0:
         return False
-    prefill_left = (history - prefilled) * (now - started) / prefilled
     restore_left = max(read_end - now, copy_s)
-    return restore_left * (1 + SURE) < prefill_left
+    return restore_left * (1 + SURE) < prefill_left(now, started, prefilled, history)
+
+
+def prefill_left(now: float, started: float, prefilled: int, history: int) -> float:
+    """Seconds a prefill that has put in `prefilled` of `history` tokens since `started`
+    takes for the rest, at that rate."""
+    return (history - prefilled) * (now - started) / prefilled
 
 
 @dataclass
 class RaceResult:
-    """How a race ended: `restored` where the turn took the restored cache (its read
-    took `read_s`, then its copy and join `copy_s`; it was in `ready_s` after the
-    race began), `rejected` where the read failed its checks."""
+    """How a race ended: `restored` where the turn took the restored cache (its copy
+    and join took `copy_s`; it was in `ready_s` after the race began), `rejected`
+    where the read failed its checks."""
 
     restored: RestoreResult | None = None
     rejected: str | None = None
-    read_s: float = 0.0
     copy_s: float = 0.0
     ready_s: float = 0.0
 
@@ -128,7 +132,7 @@ class RestoreRace:
     def _note(
         self, now: float, since: float, prefilled: int, read_end: float | None, copy_s: float
     ) -> None:
-        prefill_end = now + (self.history - prefilled) * (now - since) / prefilled
+        prefill_end = now + prefill_left(now, since, prefilled, self.history)
         start = self.created
         read_s = read_end - start if read_end is not None else None
         self.trace.append(
@@ -143,11 +147,11 @@ class RestoreRace:
     def _switch(self, should_stop: Callable[[], bool]) -> RestoreResult | None:
         restored = self.restore(self.read, should_stop)  # copies each file as it is read
         if restored.cache is None:
-            self.result = RaceResult(rejected=restored.rejected, read_s=self.read.seconds)
+            self.result = RaceResult(rejected=restored.rejected)
             return None
         ready_s = time.perf_counter() - self.created
         copy_s = restored.copy_s or restored.seconds  # (no device of its own: the join)
-        self.result = RaceResult(restored, None, self.read.seconds, copy_s, ready_s)
+        self.result = RaceResult(restored, None, copy_s, ready_s)
         return restored
 
     def cancel(self) -> None:
