@@ -175,3 +175,18 @@ def test_races_are_off_where_the_gpu_shares_the_hosts_memory(starter_model):
     assert not engine.races.wanted(HISTORY)
     engine.races.enabled = True
     assert engine.races.wanted(HISTORY)
+
+
+def test_a_cache_with_a_checkpoint_is_not_raced_and_restores_as_before(sliding_model, tmp_path):
+    """A sliding window's layers are in a checkpoint, not in chunks: such a cache is
+    restored the planner's way (app/engine/checkpoints.py), races on or not."""
+    builder = ConversationEngine(open_db(), sliding_model)
+    builder.planner.measurements = Measurements(open_db(tmp_path / "builder.db"))
+    conversation = builder.store.create(sliding_model.name)
+    long = " ".join(["Tell me about the weather in spring and in autumn"] * 12)
+    list(builder.send(conversation.id, long, OPTIONS))
+    engine = reopened(sliding_model)
+    assert engine.races.wanted(len(engine.index.conversation(conversation.id).tokens))
+    started, finished = turn(engine, conversation.id, "And in winter?")
+    assert not started.raced and engine.races.current is None
+    assert finished.restore.source == "disk" and finished.restore.checkpoint == 1  # its own
