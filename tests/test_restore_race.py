@@ -16,7 +16,7 @@ from app.bench.reopen import build_history
 from app.engine.chat import ChatSession
 from app.engine.conversation import ConversationEngine, ReplyFinished, TurnOptions
 from app.engine.generation import KVSettings, SamplingSettings
-from app.engine.planner import COPY_BANDWIDTH
+from app.engine.planner import COPY_BANDWIDTH, prefill_size_class
 from app.engine.restore_race import restore_is_sooner
 from app.engine.turns import RestoreInfo
 from sessions.cachefiles import path_from_url
@@ -122,6 +122,26 @@ def test_a_prefill_in_first_lets_the_read_go_and_teaches_the_planner(starter_mod
     assert not started.raced and again.restore.source == "disk"
 
 
+def test_a_prompt_past_a_size_class_is_learned_as_the_next_reopen_asks(starter_model, saved_chat):
+    """A message that takes the prompt past a power of two: the race's prefill teaches
+    the prompt's size, and an edit of that message, restoring the same history for a
+    prompt as long, asks the planner for that size and does not race again."""
+    engine = reopened(starter_model)
+    history = len(engine.index.conversation(saved_chat).tokens)
+    crossing = (1 << history.bit_length()) - history + 20  # tokens, "so" is one each
+    engine.planner.measurements.observe(COPY_BANDWIDTH, 1.0)  # the prefill wins
+    _, finished = turn(engine, saved_chat, "Why? " + "so " * crossing, wait_for_the_read=True)
+    assert finished.restore.source == "recompute" and finished.restore.raced
+    assert prefill_size_class(finished.stats.prompt_tokens) > prefill_size_class(history)
+    user = engine.store.message(finished.message_id).parent_id
+    engine = reopened(starter_model)
+    events = engine.edit(user, "How? " + "so " * crossing, OPTIONS)
+    started = next(events)
+    list(events)
+    assert isinstance(started, RestoreInfo) and not started.raced
+    assert started.estimate_recompute_s is not None
+
+
 def test_a_damaged_file_costs_the_race_nothing(starter_model, saved_chat):
     engine = reopened(starter_model)
     key = engine.index.conversation(saved_chat).chunk_keys[1]
@@ -172,9 +192,9 @@ def test_stop_during_a_switch_lets_the_restore_go(starter_model, saved_chat):
 def test_races_are_off_where_the_gpu_shares_the_hosts_memory(starter_model):
     """The CPU path (and a Mac's): restoring wins by 100x, nothing to race."""
     engine = ConversationEngine(open_db(), starter_model)
-    assert not engine.races.wanted(HISTORY)
+    assert not engine.races.wanted(HISTORY, HISTORY + 20)
     engine.races.enabled = True
-    assert engine.races.wanted(HISTORY)
+    assert engine.races.wanted(HISTORY, HISTORY + 20)
 
 
 def test_a_cache_with_a_checkpoint_is_not_raced_and_restores_as_before(sliding_model, tmp_path):
@@ -186,7 +206,8 @@ def test_a_cache_with_a_checkpoint_is_not_raced_and_restores_as_before(sliding_m
     long = " ".join(["Tell me about the weather in spring and in autumn"] * 12)
     list(builder.send(conversation.id, long, OPTIONS))
     engine = reopened(sliding_model)
-    assert engine.races.wanted(len(engine.index.conversation(conversation.id).tokens))
+    saved = len(engine.index.conversation(conversation.id).tokens)
+    assert engine.races.wanted(saved, saved + 20)
     started, finished = turn(engine, conversation.id, "And in winter?")
     assert not started.raced and engine.races.current is None
     assert finished.restore.source == "disk" and finished.restore.checkpoint == 1  # its own

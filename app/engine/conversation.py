@@ -321,8 +321,8 @@ class ConversationEngine:
         if refused is not None:
             return refused
         usable = reusable_prefix(entry.tokens, prompt)
-        estimates = self.planner.estimates(entry, usable)
-        if self.races.wanted(usable) and self.races.start(entry, usable):
+        estimates = self.planner.estimates(entry, usable, len(prompt))
+        if self.races.wanted(usable, len(prompt)) and self.races.start(entry, usable):
             return RestoreInfo(*_NOTHING, *estimates, raced=True)
         if recompute_is_faster(estimates):
             return RestoreInfo(*_NOTHING, *estimates, "recomputing is estimated to be faster")

@@ -56,13 +56,17 @@ class ReopenPlanner:
     def __init__(self, measurements: Measurements, kvstore: KVStore) -> None:
         self.measurements, self.kvstore = measurements, kvstore
 
-    def estimates(self, entry: ConversationCache, usable: int) -> tuple[float | None, float | None]:
+    def estimates(
+        self, entry: ConversationCache, usable: int, prompt_tokens: int | None = None
+    ) -> tuple[float | None, float | None]:
         """(restore, recompute) seconds expected for the first `usable` tokens of
-        `entry`, from the measured read bandwidth and the prefill rate of the nearest
-        size (None: not measured yet on this machine)."""
+        `entry`, from the measured read bandwidth and the prefill rate of the size
+        nearest a recompute's, the whole prompt of `prompt_tokens` (None: not measured
+        yet on this machine)."""
         size = self.kvstore.bytes_to_read(entry, usable)
         bandwidth = self.measurements.get(READ_BANDWIDTH)
-        rate = nearest_rate(self._prefill_rates(), prefill_size_class(usable))
+        recomputed = prompt_tokens or usable
+        rate = nearest_rate(self._prefill_rates(), prefill_size_class(recomputed))
         return (size / bandwidth if bandwidth else None, usable / rate if rate else None)
 
     def learn_read(self, bytes_read: int, seconds: float) -> None:

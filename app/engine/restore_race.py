@@ -190,11 +190,13 @@ class Races:
         self.last_trace: list[tuple] = []  # the decisions of the last race, for the bench
         self.keys: list[str] = []  # the files the current race reads
 
-    def wanted(self, usable: int) -> bool:
-        """Whether a turn restoring `usable` tokens races: where racing is on and the
-        planner has measured no prefill of that size."""
+    def wanted(self, usable: int, prompt_tokens: int) -> bool:
+        """Whether a turn restoring `usable` tokens of a prompt of `prompt_tokens` races:
+        where racing is on and the planner has measured no prefill of the prompt's size
+        (what a recompute prefills, and what the race's prefill teaches when it wins)."""
         on = self.enabled if self.enabled is not None else device_apart()
-        return on and usable >= MEASURE_MIN_TOKENS and not self.planner.knows_size(usable)
+        known = self.planner.knows_size(prompt_tokens)
+        return on and usable >= MEASURE_MIN_TOKENS and not known
 
     def start(self, entry: ConversationCache, usable: int) -> bool:
         """Start reading `entry`'s first `usable` tokens, for the turn's prefill to race
