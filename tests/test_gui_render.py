@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import mlx.core as mx
+from PySide6.QtCore import QEvent, QObject
+from PySide6.QtGui import QRegion
 from PySide6.QtWidgets import QTextEdit
 
 from app.bench.ui import stream_row
@@ -159,3 +161,41 @@ def test_what_the_user_typed_is_shown_as_typed(qtbot):
     text = view.toPlainText().replace("\u2028", "\n")
     assert typed in text
     assert "**Yes**" not in text and "Yes" in text
+
+
+class PaintedRegions(QObject):
+    """Records the region each paint of a widget covered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.regions: list[QRegion] = []
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.Paint:
+            self.regions.append(QRegion(event.region()))
+        return False
+
+
+def test_scrolling_with_the_focus_ring_leaves_no_copies_of_it(qtbot):
+    """Qt scrolls a view by moving its pixels and painting the strip uncovered: the focus
+    ring, drawn at the viewport's edge, was moved into the text as lines (a new-user walk
+    saw them after scrolling with the wheel)."""
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.resize(500, 300)
+    view.show_messages(conversation(30))
+    view.show()
+    qtbot.waitExposed(view)
+    view.setFocus()
+    qtbot.waitUntil(view.hasFocus)
+    bar = view.verticalScrollBar()
+    bar.setValue(bar.maximum() // 2)
+    painted = PaintedRegions()
+    view.viewport().installEventFilter(painted)
+    qtbot.wait(50)
+    painted.regions.clear()
+    bar.setValue(bar.value() + 40)  # what a turn of the wheel does
+    qtbot.waitUntil(lambda: bool(painted.regions), timeout=2_000)
+    qtbot.wait(50)
+    whole = view.viewport().rect()
+    assert any((QRegion(whole) - r).isEmpty() for r in painted.regions)

@@ -225,6 +225,14 @@ class ChatView(QTextBrowser):
             draw_ring(painter, link, ring, None)
         painter.end()
 
+    def scrollContentsBy(self, dx: int, dy: int) -> None:
+        """Qt scrolls by moving the pixels on screen and painting the strip uncovered:
+        with the focus, the ring at the edge would be moved into the text. All of it is
+        painted again instead."""
+        super().scrollContentsBy(dx, dy)
+        if self.hasFocus():
+            self.viewport().update()
+
     def focused_link_rect(self) -> QRect | None:
         """Where the link that Tab moved to is, on screen; None when there is none."""
         cursor = self.textCursor()
