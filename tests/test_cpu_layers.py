@@ -155,7 +155,7 @@ def test_the_starter_model_replies_the_same_with_each_kv_setting(starter_model, 
 
     def reply(kv: KVSettings) -> str:
         session = ChatSession(starter_model)
-        events = session.reply(messages, sampling=SamplingSettings.greedy(24), kv=kv)
+        events = session.reply(messages, sampling=SamplingSettings.greedy(14), kv=kv)
         return "".join(e.text for e in events if isinstance(e, TextDelta))
 
     settings = [KVSettings(), KVSettings(bits=8), KVSettings(bits=4)]
