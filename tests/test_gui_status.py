@@ -99,6 +99,15 @@ def test_a_reply_stopped_before_its_first_token_gives_no_speed():
     assert stats_text(reply(10)).startswith("first token 50 ms · 20.0 tok/s · chat in memory: 50")
 
 
+def test_times_near_a_tenth_of_a_second_are_said_one_way():
+    """A new-user walk saw "first token 100 ms" after one reply and "0.10 s" after the
+    next."""
+    from app.ui.turn_status import took
+
+    assert [took(s) for s in (0.0994, 0.0996, 0.1, 0.104)] == ["99 ms", *["0.10 s"] * 3]
+    assert took(0.0004) == "0 ms" and took(2.345) == "2.35 s"
+
+
 def test_the_status_bar_says_where_a_reply_started_in_words():
     """Found on new-user walks: "Continuing: 71 tokens already in memory" stayed up after
     the reply; "(6 of 595 tokens were in memory)" explained nothing."""
