@@ -108,7 +108,6 @@ def measure(
     builder.session.reset()
     reopened = ConversationEngine(open_db(), loaded)  # a new engine, as after a restart
     reopened.races.enabled = False  # the restore itself, timed
-    planned = reopened.planner.estimates(entry, len(entry.tokens))
     # Measure the restore whichever path the planner would take; its choice is scored below.
     reopened.planner.measurements.forget(READ_BANDWIDTH)
     if cold:
@@ -157,7 +156,6 @@ def measure(
         "written_vs_new_rows_bytes": saved.report.bytes_written / (new_tokens * rows_per_token),
         "follow_ups_written_vs_new_rows_bytes": follow_ups["follow_ups_bytes_written"]
         / (added * rows_per_token),
-        "planner_estimates_s": {"restore": planned[0], "recompute": planned[1]},
         **planned_turn,
         "planner_vs_faster": planned_turn["ttft_planned_s"]
         / min(restored.ttft_s, recomputed.stats.ttft_s),
@@ -245,6 +243,11 @@ def measure_planned(
     source = finished.restore.source
     trace = engine.races.last_trace if finished.restore.raced else None
     return {
+        # what the turn's choice went by (the restore timed above taught the read's rate)
+        "planner_estimates_s": {
+            "restore": finished.restore.estimate_restore_s,
+            "recompute": finished.restore.estimate_recompute_s,
+        },
         "planner_choice": ("race, " if finished.restore.raced else "")
         + ("restore" if source == "disk" else "recompute"),
         "ttft_planned_s": finished.ttft_s,
