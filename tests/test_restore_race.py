@@ -7,6 +7,7 @@ enough here that the order of the two is set by the test, not by the machine's l
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,9 +52,36 @@ def save_chat(loaded, builder_db: Path, options: TurnOptions = OPTIONS) -> int:
     return conversation.id
 
 
+# Where the module's saved chat is made, and what each test starts from.
+_FOLDERS = ("data", "cache", "models", "log")
+
+
+def point_at(patch: pytest.MonkeyPatch, root: Path) -> None:
+    for name in _FOLDERS:
+        patch.setenv(f"REPRISE_{name.upper()}_DIR", str(root / name))
+
+
+@pytest.fixture(scope="module")
+def saved_once(starter_model, tmp_path_factory) -> tuple[Path, int]:
+    """The chat of `save_chat`, made once a module (its history's prefill is most of a
+    test's set-up), and its folders kept as made."""
+    made = tmp_path_factory.mktemp("saved-chat")
+    with pytest.MonkeyPatch.context() as patch:
+        point_at(patch, made / "live")
+        conversation = save_chat(starter_model, made / "builder.db")
+    shutil.copytree(made / "live", made / "as-made")
+    return made, conversation
+
+
 @pytest.fixture
-def saved_chat(starter_model, tmp_path) -> int:
-    return save_chat(starter_model, tmp_path / "builder.db")
+def saved_chat(saved_once, monkeypatch) -> int:
+    """A fresh copy of the saved chat's folders, at the paths it was made at (the cache
+    index holds its files' URLs)."""
+    made, conversation = saved_once
+    shutil.rmtree(made / "live")
+    shutil.copytree(made / "as-made", made / "live")
+    point_at(monkeypatch, made / "live")
+    return conversation
 
 
 def reopened(loaded) -> ConversationEngine:
