@@ -3,6 +3,7 @@ the transcript, branch arrows one can hit, export names any system accepts."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -103,23 +104,40 @@ def test_a_message_longer_than_the_context_is_not_offered_a_new_chat(qtbot):
     assert meter.label.text().endswith("or send it in a new chat.")
 
 
-def test_an_export_says_where_it_went(qtbot, open_window, tmp_path, monkeypatch):
+def test_an_export_says_where_it_went_in_the_format_asked(
+    qtbot, open_window, tmp_path, monkeypatch
+):
+    """The dialog offers the formats written, not "All Files" (a new-user walk), the one
+    asked for first; a name ending in the other's suffix is written as that (a walk saved
+    Markdown as "penguin.json")."""
     from PySide6.QtWidgets import QFileDialog
 
-    target = tmp_path / "chat.md"
-    offered = []  # the dialog's filter: the format written, not "All Files" (new-user walk)
-    monkeypatch.setattr(
-        QFileDialog,
-        "getSaveFileName",
-        lambda parent, title, start, kinds: offered.append(kinds) or (str(target), ""),
+    answers = iter(
+        [
+            (tmp_path / "chat.md", "Markdown (*.md)"),
+            (tmp_path / "chat.json", "JSON (*.json)"),
+            (tmp_path / "typed.json", "Markdown (*.md)"),
+        ]
     )
+    offered = []
+
+    def ask(parent, title, start, kinds, first):
+        offered.append((kinds, first))
+        path, chosen = next(answers)
+        return str(path), chosen
+
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", ask)
     window = open_window()
     send(qtbot, window, "Say hello.", greedy_tokens=4)
-    window.actions.export(window.conversation_id, "markdown")  # what Ctrl+E does
-    qtbot.waitUntil(lambda: target.is_file(), timeout=10_000)
-    qtbot.waitUntil(lambda: window.status.message.text() == f"Exported to {target}", timeout=10_000)
-    assert "Say hello." in target.read_text()
-    assert offered == ["Markdown (*.md)"]
+    for target in ("chat.md", "chat.json", "typed.json"):
+        window.actions.export(window.conversation_id, "markdown")  # what Ctrl+E does
+        said = f"Exported to {tmp_path / target}"
+        qtbot.waitUntil(lambda said=said: window.status.message.text() == said)
+    assert "Say hello." in (tmp_path / "chat.md").read_text()
+    for name in ("chat.json", "typed.json"):
+        exported = json.loads((tmp_path / name).read_text())
+        assert "Say hello." in json.dumps(exported)
+    assert offered[0] == ("Markdown (*.md);;JSON (*.json)", "Markdown (*.md)")
 
 
 def test_the_smallest_window_still_shows_the_header_and_some_chat(qtbot, open_window):

@@ -61,12 +61,26 @@ def confirm_delete(parent: QWidget, title: str) -> bool:
     return answer == QMessageBox.StandardButton.Yes
 
 
-def export_path(parent: QWidget, title: str, fmt: str) -> str | None:
-    """Where to export a chat as `fmt`; None when cancelled."""
-    suffix, kind = (".md", "Markdown") if fmt == "markdown" else (".json", "JSON")
-    start = str(Path.home() / f"{export_name(title)}{suffix}")
-    name, _ = QFileDialog.getSaveFileName(parent, "Export", start, f"{kind} (*{suffix})")
-    return name or None
+_EXPORT_FORMATS = {"markdown": ("Markdown", ".md"), "json": ("JSON", ".json")}
+
+
+def export_path(parent: QWidget, title: str, fmt: str) -> tuple[str, str] | None:
+    """Where to export a chat and in which format: `fmt` offered first, the other beside
+    it; None when cancelled."""
+    filters = {f"{kind} (*{suffix})": name for name, (kind, suffix) in _EXPORT_FORMATS.items()}
+    first = next(f for f, name in filters.items() if name == fmt)
+    start = str(Path.home() / f"{export_name(title)}{_EXPORT_FORMATS[fmt][1]}")
+    path, chosen = QFileDialog.getSaveFileName(parent, "Export", start, ";;".join(filters), first)
+    if not path:
+        return None
+    return path, export_format(path, filters.get(chosen, fmt))
+
+
+def export_format(path: str, chosen: str) -> str:
+    """The format a name asks for by its ending, else the one chosen (a walk typed
+    "penguin.json" with Markdown chosen and got Markdown under that name)."""
+    by_suffix = {suffix: name for name, (_, suffix) in _EXPORT_FORMATS.items()}
+    return by_suffix.get(Path(path).suffix.lower(), chosen)
 
 
 class PromptDialog(QDialog):

@@ -29,8 +29,9 @@ class ChatActions(QObject):
     @Slot(int, str)
     def export(self, conversation_id: int, fmt: str) -> None:
         w = self.window
-        path = asking.export_path(w, w.store.get(conversation_id).title, fmt)
-        if path is not None:
+        chosen = asking.export_path(w, w.store.get(conversation_id).title, fmt)
+        if chosen is not None:
+            path, fmt = chosen
             w.export_requested.emit(conversation_id, fmt, path)
 
     @Slot(int)
