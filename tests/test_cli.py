@@ -56,6 +56,19 @@ def test_a_bad_gguf_gets_a_message_not_a_traceback(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_import_gguf_names_an_empty_file_and_a_folder_as_such(tmp_path, capsys):
+    """A walk: an empty file read "not a GGUF file", a folder "No such file"."""
+    from app.cli import main
+
+    (tmp_path / "empty.gguf").touch()
+    assert main(["models", "import-gguf", str(tmp_path / "empty.gguf")]) == 1
+    assert capsys.readouterr().err.endswith("\nreprise: empty.gguf is empty, not a GGUF file\n")
+    assert main(["models", "import-gguf", str(tmp_path)]) == 1
+    said = capsys.readouterr().err
+    assert said.startswith(f"reprise: {tmp_path} is a folder, not a GGUF file")
+    assert f"reprise models use '{tmp_path}'" in said
+
+
 def test_chat_without_models_explains_how_to_get_one():
     done = reprise("chat", "hello")
     assert done.returncode == 1

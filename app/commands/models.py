@@ -77,6 +77,11 @@ def _import(args: argparse.Namespace, models_dir: Path) -> int:
     from app.engine.gguf_child import import_in_child
 
     path, name = Path(args.path).expanduser(), args.name
+    if path.is_dir():
+        raise UserError(
+            f"{path} is a folder, not a GGUF file (a folder of an MLX model is added with "
+            f"`reprise models use '{path}'`)"
+        )
     if not path.is_file():  # not a file: the name of a GGUF another tool keeps?
         item = found.find(args.path, _discover(models_dir))
         if item is None or item.kind != found.GGUF:

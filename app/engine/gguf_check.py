@@ -173,6 +173,8 @@ def _check_file(path: Path) -> GGUFLayout:
     size = path.stat().st_size
     with path.open("rb") as f:
         reader = _Reader(f, size, path.name)
+        if size == 0:
+            raise GGUFImportError(f"{path.name} is empty, not a GGUF file")
         if size < 4 or f.read(4) != MAGIC:
             raise GGUFImportError(f"{path.name} is not a GGUF file")
         version = reader.u32("the version")
