@@ -312,3 +312,26 @@ def test_a_pipe_named_gguf_is_refused_without_waiting(qtbot, dialog, monkeypatch
     monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a: (str(pipe), ""))
     dialog.choose_gguf()
     assert dialog.message.text() == "pipe.gguf is not a regular file: nothing was added."
+
+
+def test_an_mlx_folder_is_added_in_place_and_a_wrong_one_says_why(
+    qtbot, dialog, repo, tmp_path, monkeypatch
+):
+    """A walk: only the terminal's `reprise models use` took a folder of one's own."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QFileDialog, QPushButton
+
+    wrong = tmp_path / "badmodel"
+    wrong.mkdir()
+    (wrong / "config.json").write_text('{"model_type": "nonsense"}')
+    chosen = iter([str(wrong), str(repo)])
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *args: next(chosen))
+    [button] = [b for b in dialog.findChildren(QPushButton) if b.text() == "Add MLX folder…"]
+    qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: "'nonsense'" in dialog.message.text(), timeout=30_000)
+    assert names() == []
+    qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: dialog.message.text() == "Added repo", timeout=30_000)
+    assert names() == ["repo"]
+    row = dialog.table.topLevelItem(0)
+    assert row.toolTip(3) == f"Used in place from {repo}; Delete removes only the link"

@@ -63,6 +63,7 @@ class ModelsDialog(QDialog):
         self.message = QLabel("")
         self.message.setWordWrap(True)  # why an import failed can be a sentence or two
         import_button = QPushButton("Import GGUF…")
+        folder_button = QPushButton("Add MLX folder…")
         download_button = QPushButton("Download from Hugging Face…")
         self.cancel_button = QPushButton("Cancel download")
         self.cancel_button.hide()
@@ -70,6 +71,7 @@ class ModelsDialog(QDialog):
         close_button = QPushButton("Close")
         buttons = QHBoxLayout()
         buttons.addWidget(import_button)
+        buttons.addWidget(folder_button)
         buttons.addWidget(download_button)
         buttons.addWidget(self.cancel_button)
         buttons.addWidget(delete_button)
@@ -83,9 +85,10 @@ class ModelsDialog(QDialog):
         layout.addWidget(self.message)
         layout.addLayout(buttons)
         import_button.clicked.connect(self.choose_gguf)
+        folder_button.clicked.connect(self.choose_folder)
         delete_button.clicked.connect(self.delete_selected)
         close_button.clicked.connect(self.accept)
-        for button in (import_button, download_button, delete_button):
+        for button in (import_button, folder_button, download_button, delete_button):
             button.setAutoDefault(False)  # Enter closes; it does not open a file picker
         close_button.setDefault(True)
         download_button.clicked.connect(self.ask_repo)
@@ -141,6 +144,13 @@ class ModelsDialog(QDialog):
         name = asking.model_name(self, suggested_name(Path(path)))
         if name is not None:
             self.start_import(path, name.strip())
+
+    def choose_folder(self) -> None:
+        """An MLX model's folder anywhere (only the terminal's `reprise models use` took
+        one before: a walk); used in place, under its folder's name, as a found one is."""
+        folder = QFileDialog.getExistingDirectory(self, "Add an MLX model folder", str(Path.home()))
+        if folder:
+            self.start_use(folder, Path(folder).name)
 
     def start_import(self, path: str, name: str) -> None:
         self.progress.setRange(0, 4)
