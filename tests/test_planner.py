@@ -57,7 +57,7 @@ def test_a_long_history_is_judged_by_long_prefills_not_by_short_turns(tiny_model
     engine.planner.measurements.observe(
         engine.planner.prefill_key(8), usable / 5.0
     )  # short turns: "5 s"
-    restore, recompute = engine.planner.estimates(entry, usable)
+    restore, recompute = engine.planner.estimates(entry, usable, usable)
     assert (restore, recompute) == (pytest.approx(0.5), pytest.approx(5.0))
     assert not recompute_is_faster((restore, recompute))
 
@@ -67,7 +67,7 @@ def test_a_long_history_is_judged_by_long_prefills_not_by_short_turns(tiny_model
     engine.planner.measurements.observe(
         engine.planner.prefill_key(usable << 8), usable / 1e-4
     )  # far longer
-    restore, recompute = engine.planner.estimates(entry, usable)
+    restore, recompute = engine.planner.estimates(entry, usable, usable)
     assert recompute == pytest.approx(0.05)  # neither the short turns' nor the fastest
     assert recompute_is_faster((restore, recompute))
 
@@ -86,7 +86,7 @@ def test_estimates_of_another_model_are_not_used(tiny_model, saved):
     _, entry = saved
     engine = new_engine(tiny_model)
     engine.planner.measurements.observe("prefill_tps:another-model:7", 1e9)
-    assert engine.planner.estimates(entry, len(entry.tokens) - 1)[1] is None
+    assert engine.planner.estimates(entry, len(entry.tokens) - 1, len(entry.tokens))[1] is None
 
 
 def test_damaged_estimates_are_not_used(tiny_model, saved):
@@ -103,6 +103,6 @@ def test_damaged_estimates_are_not_used(tiny_model, saved):
         (f"{engine.planner.prefill_prefix}²", 1e6),
     ]:
         rows.upsert({"key": key, "value": value, "updated": "x"}, pk="key")
-    assert engine.planner.estimates(entry, len(entry.tokens) - 1) == (None, None)
+    assert engine.planner.estimates(entry, len(entry.tokens) - 1, len(entry.tokens)) == (None, None)
     finished, _ = turn(engine, conversation_id, "still works")
     assert finished.restore.source == "disk"

@@ -57,7 +57,7 @@ class ReopenPlanner:
         self.measurements, self.kvstore = measurements, kvstore
 
     def estimates(
-        self, entry: ConversationCache, usable: int, prompt_tokens: int | None = None
+        self, entry: ConversationCache, usable: int, prompt_tokens: int
     ) -> tuple[float | None, float | None]:
         """(restore, recompute) seconds expected for the first `usable` tokens of
         `entry`, from the measured read bandwidth and the prefill rate of the size
@@ -65,8 +65,7 @@ class ReopenPlanner:
         yet on this machine)."""
         size = self.kvstore.bytes_to_read(entry, usable)
         bandwidth = self.measurements.get(READ_BANDWIDTH)
-        recomputed = prompt_tokens or usable
-        rate = nearest_rate(self._prefill_rates(), prefill_size_class(recomputed))
+        rate = nearest_rate(self._prefill_rates(), prefill_size_class(prompt_tokens))
         return (size / bandwidth if bandwidth else None, usable / rate if rate else None)
 
     def learn_read(self, bytes_read: int, seconds: float) -> None:

@@ -195,8 +195,9 @@ class Races:
         where racing is on and the planner has measured no prefill of the prompt's size
         (what a recompute prefills, and what the race's prefill teaches when it wins)."""
         on = self.enabled if self.enabled is not None else device_apart()
-        known = self.planner.knows_size(prompt_tokens)
-        return on and usable >= MEASURE_MIN_TOKENS and not known
+        if not on or usable < MEASURE_MIN_TOKENS:
+            return False  # (before the planner's query: most turns end here)
+        return not self.planner.knows_size(prompt_tokens)
 
     def start(self, entry: ConversationCache, usable: int) -> bool:
         """Start reading `entry`'s first `usable` tokens, for the turn's prefill to race

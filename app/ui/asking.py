@@ -64,13 +64,19 @@ def confirm_delete(parent: QWidget, title: str) -> bool:
 _EXPORT_FORMATS = {"markdown": ("Markdown", ".md"), "json": ("JSON", ".json")}
 
 
+def _export_filter(fmt: str) -> str:
+    kind, suffix = _EXPORT_FORMATS[fmt]
+    return f"{kind} (*{suffix})"
+
+
 def export_path(parent: QWidget, title: str, fmt: str) -> tuple[str, str] | None:
     """Where to export a chat and in which format: `fmt` offered first, the other beside
     it; None when cancelled."""
-    filters = {f"{kind} (*{suffix})": name for name, (kind, suffix) in _EXPORT_FORMATS.items()}
-    first = next(f for f, name in filters.items() if name == fmt)
+    filters = {_export_filter(name): name for name in _EXPORT_FORMATS}
     start = str(Path.home() / f"{export_name(title)}{_EXPORT_FORMATS[fmt][1]}")
-    path, chosen = QFileDialog.getSaveFileName(parent, "Export", start, ";;".join(filters), first)
+    path, chosen = QFileDialog.getSaveFileName(
+        parent, "Export", start, ";;".join(filters), _export_filter(fmt)
+    )
     if not path:
         return None
     return path, export_format(path, filters.get(chosen, fmt))
